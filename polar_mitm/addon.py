@@ -1,0 +1,485 @@
+"""polar-mitm's mitmproxy addons: their options and hooks. The work is in the modules they call.
+
+One class per concern, composed in `addons/polar.py`:
+- `ProxySetup`: the proxy settings polar-mitm needs (lazy connections, CA in certs/, loopback);
+- `RolloutIdentityAddon`: remembers proxy credentials per client connection;
+- `TokenizerAddon`: loads the policy tokenizer (`polar_tokenizer`);
+- `StoreAddon`: the journal and Parquet shards under `polar_output`;
+- `CaptureAddon`: detects LLM calls on `polar_hosts`, sends them to the policy server through the
+  in-process gateway, answers the other paths of those hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+import weakref
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import aiohttp
+from mitmproxy import connection, ctx, exceptions, http
+
+from .capture import (
+    CallRecord,
+    CallSink,
+    deliver,
+    now_us,
+    redact_headers,
+    redacted_json,
+    scrub,
+    secret_values,
+)
+from .certs import DEFAULT_CONFDIR
+from .dialects import Dialect, DialectError, detect
+from .exchange import Call, UpstreamSettings
+from .fidelity import PolicyTokenizer, TokenizerError, load_tokenizer
+from .gateway import Gateway
+from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, resolve
+from .store import Store
+from .upstream import UPSTREAMS, Upstream
+
+log = logging.getLogger("polar_mitm")
+DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,chatgpt.com"
+_RAW_BODY_LIMIT = 1 << 20
+
+
+class _StartupErrors:
+    """Option errors: at start-up one logged line (mitmdump then exits 1, no traceback);
+    later, when a user changes an option at runtime, mitmproxy's usual OptionsError."""
+
+    running = False
+
+    def fail(self, message: str) -> None:
+        if self.running:
+            raise exceptions.OptionsError(message)
+        log.error(message)
+
+
+_errors = _StartupErrors()
+
+
+def _json_response(status: int, obj: object) -> http.Response:
+    return http.Response.make(status, json.dumps(obj), {"content-type": "application/json"})
+
+
+class ProxySetup:
+    """Settings a capture proxy needs, so that users do not have to know them."""
+
+    def configure(self, updated: set[str]) -> None:
+        if ctx.options.connection_strategy != "lazy":
+            # The default dials the real host at CONNECT time: with no internet that is a 502
+            # before any hook runs, and captured hosts are never dialed at all.
+            ctx.options.connection_strategy = "lazy"
+        if "confdir" in updated and ctx.options.confdir == "~/.mitmproxy":
+            ctx.options.confdir = str(DEFAULT_CONFDIR)
+        if "listen_host" in updated and ctx.options.listen_host == "":
+            ctx.options.listen_host = "127.0.0.1"
+        loopback = ("127.0.0.1", "::1", "localhost")
+        if (
+            "listen_host" in updated
+            and ctx.options.listen_host not in loopback
+            and not ctx.options.proxyauth
+        ):
+            log.warning(
+                "polar-mitm: listening on %s without proxy authentication: anyone who can reach "
+                "this port can use the proxy (set proxyauth, or listen on 127.0.0.1)",
+                ctx.options.listen_host or "all interfaces",
+            )
+
+    def running(self) -> None:
+        _errors.running = True
+
+
+class RolloutIdentityAddon:
+    """Rule 1 of rollout identity: proxy credentials, kept per client connection."""
+
+    def __init__(self) -> None:
+        self._users: weakref.WeakKeyDictionary[connection.Client, str] = weakref.WeakKeyDictionary()
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        self._remember(flow)
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        # Plain-HTTP proxying sends the credentials with every request: take them, never forward.
+        self._remember(flow)
+
+    def _remember(self, flow: http.HTTPFlow) -> None:
+        header = flow.request.headers.pop("proxy-authorization", None)
+        user = proxy_user(header)
+        if user:
+            self._users[flow.client_conn] = user
+
+    def identify(self, flow: http.HTTPFlow) -> RolloutIdentity:
+        peer = flow.client_conn.peername
+        host = str(peer[0]) if peer else "unknown"
+        return resolve(flow.request.headers, host, self._users.get(flow.client_conn))
+
+
+class TokenizerAddon:
+    def __init__(self) -> None:
+        self.tokenizer: PolicyTokenizer | None = None
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_tokenizer",
+            str,
+            "",
+            "Policy tokenizer for fidelity checks and count_tokens: a local Hugging Face tokenizer "
+            "dir (with its chat template), or tiktoken:<encoding name or .tiktoken file>.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "polar_tokenizer" not in updated:
+            return
+        spec = ctx.options.polar_tokenizer
+        if not spec:
+            self.tokenizer = None
+            return
+        try:
+            self.tokenizer = load_tokenizer(spec)
+        except TokenizerError as e:
+            _errors.fail(f"polar_tokenizer: {e}")
+
+
+class StoreAddon:
+    """Every finished call goes to the journal (fsynced) and from there into Parquet shards."""
+
+    def __init__(self) -> None:
+        self.proxy_id = uuid.uuid4().hex[:8]
+        self.store: Store | None = None
+        self._started = False
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_output",
+            str,
+            "./polar-data",
+            "Where captured calls and traces go: a local dir or a pyarrow filesystem URI.",
+        )
+        loader.add_option(
+            "polar_journal",
+            str,
+            "",
+            "Local journal dir (default: <polar_output>/_journal; required for remote output).",
+        )
+        loader.add_option("polar_flush_rows", int, 512, "Write a shard after this many rows.")
+        loader.add_option(
+            "polar_flush_seconds", float, 30.0, "Write a shard after this many seconds."
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        keys = {"polar_output", "polar_journal", "polar_flush_rows", "polar_flush_seconds"}
+        if not keys & updated or self._started:
+            return
+        opts = ctx.options
+        try:
+            self.store = Store(
+                output=opts.polar_output,
+                journal_dir=opts.polar_journal or None,
+                proxy_id=self.proxy_id,
+                flush_rows=opts.polar_flush_rows,
+                flush_age_s=opts.polar_flush_seconds,
+            )
+        except (ValueError, OSError) as e:
+            _errors.fail(f"polar_output: {e}")
+
+    def running(self) -> None:
+        if self.store is None or self._started:
+            return
+        self._started = True
+        report = self.store.start()
+        log.info("polar-mitm: writing to %s (%s)", ctx.options.polar_output, report)
+
+    def done(self) -> None:
+        if self.store is not None and self._started:
+            self.store.close()
+            self._started = False
+
+    def call_finished(self, record: CallRecord) -> None:
+        if self.store is not None:
+            self.store.append("calls", record.to_row())
+
+
+class CaptureAddon:
+    def __init__(
+        self,
+        identity: RolloutIdentityAddon,
+        sinks: Sequence[CallSink],
+        proxy_id: str | None = None,
+    ) -> None:
+        self.identity = identity
+        self.sinks = list(sinks)
+        self.proxy_id = proxy_id
+        self.gateway = Gateway()
+        self.upstream: Upstream | None = None
+        self.hosts: frozenset[str] = frozenset()
+        self.served_model: str | None = None
+        self.live: dict[str, Call] = {}
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_upstream",
+            str,
+            "",
+            "Base URL of the policy server (vLLM or SGLang), e.g. http://127.0.0.1:8000. Required.",
+        )
+        loader.add_option("polar_upstream_kind", str, "vllm", "Policy server kind: vllm or sglang.")
+        loader.add_option(
+            "polar_model",
+            str,
+            "",
+            "Model name sent upstream (default: the first model the server lists). "
+            "The harness's own model name is recorded and restored in replies.",
+        )
+        loader.add_option(
+            "polar_hosts",
+            str,
+            DEFAULT_HOSTS,
+            "Comma-separated hosts whose LLM endpoints are captured.",
+        )
+        loader.add_option(
+            "polar_other_paths",
+            str,
+            "answer",
+            "Non-LLM paths on polar_hosts: 'answer' them locally with a JSON 404, or 'pass' them "
+            "to the real host (polar- API keys are never forwarded).",
+        )
+        loader.add_option(
+            "polar_upstream_timeout",
+            float,
+            300.0,
+            "Seconds the policy server may stay silent (before the first byte or between chunks) "
+            "before the call fails with the dialect's error.",
+        )
+        loader.add_option(
+            "polar_connect_timeout", float, 10.0, "Seconds to wait for the policy server to accept."
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        opts = ctx.options
+        if {"polar_upstream", "polar_upstream_kind"} & updated:
+            self.upstream = None
+            url = opts.polar_upstream
+            if not url:
+                _errors.fail(
+                    "polar_upstream: required: the policy server's base URL, "
+                    "e.g. --set polar_upstream=http://127.0.0.1:8000"
+                )
+                return
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                _errors.fail(f"polar_upstream: {url!r} is not an http(s)://HOST[:PORT] URL")
+                return
+            kind = opts.polar_upstream_kind
+            if kind not in UPSTREAMS:
+                _errors.fail(
+                    f"polar_upstream_kind: unknown kind {kind!r} (choose from {', '.join(UPSTREAMS)})"
+                )
+                return
+            base = url.rstrip("/")
+            if base.endswith("/v1"):
+                base = base[:-3]
+            self.upstream = UPSTREAMS[kind](base)
+        if "polar_hosts" in updated:
+            self.hosts = frozenset(
+                h.strip().lower() for h in opts.polar_hosts.split(",") if h.strip()
+            )
+        if "polar_other_paths" in updated and opts.polar_other_paths not in ("answer", "pass"):
+            _errors.fail(f"polar_other_paths: {opts.polar_other_paths!r} is not 'answer' or 'pass'")
+        if "polar_model" in updated:
+            self.served_model = opts.polar_model or None
+
+    async def running(self) -> None:
+        await self.gateway.start(
+            ctx.options.polar_connect_timeout, ctx.options.polar_upstream_timeout
+        )
+        model = await self._served_model(announce=True)
+        if self.upstream is not None:
+            log.info(
+                "polar-mitm: capturing %s -> %s upstream %s (model %s)",
+                ",".join(sorted(self.hosts)),
+                self.upstream.kind,
+                self.upstream.base_url,
+                model or "not known yet",
+            )
+
+    async def done(self) -> None:
+        for call in list(self.live.values()):
+            call.finish("incomplete", "the proxy shut down mid-call")
+        await self.gateway.stop()
+
+    # -- hooks --------------------------------------------------------------------------
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.request.host.lower() not in self.hosts:
+            return
+        path = flow.request.path.partition("?")[0]
+        if flow.request.headers.get("upgrade", "").lower() == "websocket":
+            flow.response = _json_response(
+                426,
+                {
+                    "error": {
+                        "message": "polar-mitm serves this endpoint over HTTP with server-sent events, "
+                        "not WebSocket",
+                        "type": "invalid_request_error",
+                    }
+                },
+            )
+            return
+        dialect = detect(flow.request.method, path)
+        if dialect is None:
+            self._other_path(flow)
+            return
+        if self.upstream is None:
+            flow.response = http.Response.make(
+                502,
+                dialect.error_bytes(502, "polar-mitm has no valid polar_upstream", "server_error"),
+                {"content-type": "application/json"},
+            )
+            return
+        await self.gateway.ready.wait()
+        await self._start_call(flow, dialect, path)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if "polar_call" in flow.metadata and flow.response is not None:
+            flow.response.stream = True  # the gateway already streams the harness's reply
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        call_id = flow.metadata.get("polar_call")
+        if not call_id:
+            return
+        pending = self.gateway.drop(call_id)
+        call = pending or self.live.get(call_id)
+        if call is not None:
+            reason = flow.error.msg if flow.error else "connection error"
+            call.abort(f"the harness connection failed: {reason}")
+
+    # -- helpers ------------------------------------------------------------------------
+
+    async def _start_call(self, flow: http.HTTPFlow, dialect: Dialect, path: str) -> None:
+        assert self.upstream is not None
+        identity = self.identity.identify(flow)
+        headers = flow.request.headers
+        secrets = secret_values(headers)
+        record = CallRecord(
+            rollout_id=identity.rollout_id,
+            rollout_source=identity.source,
+            group_id=identity.group_id,
+            sample_index=identity.sample_index,
+            session_id=identity.session_id,
+            proxy_id=self.proxy_id,
+            dialect=dialect.name,
+            method=flow.request.method,
+            host=flow.request.host,
+            path=path,
+            upstream_kind=self.upstream.kind,
+            upstream_url=self.upstream.base_url,
+        )
+        record.headers_json = scrub(json.dumps(redact_headers(headers.items(multi=True))), secrets)
+        try:
+            body = flow.request.get_content(strict=True) or b""
+        except ValueError as e:
+            body = None
+            error = DialectError(f"request body cannot be decoded: {e}")
+        if body is not None:
+            try:
+                req = dialect.parse(body, path)
+            except DialectError as e:
+                error = e
+            else:
+                error = None
+        if error is not None:
+            raw = (body or b"")[:_RAW_BODY_LIMIT].decode("utf-8", "replace")
+            record.request_json = scrub(json.dumps({"unparsed_body": raw}), secrets)
+            self._refuse(flow, dialect, record, error)
+            return
+        record.request_json = redacted_json(req.body, secrets)
+        record.stream = req.stream
+        record.model_requested = req.model
+        record.purpose = req.purpose
+        settings = UpstreamSettings(
+            self.upstream,
+            await self._served_model(),
+            ctx.options.polar_connect_timeout,
+            ctx.options.polar_upstream_timeout,
+        )
+        call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
+        self.live[record.call_id] = call
+        gateway_path = self.gateway.register(call)
+        assert self.gateway.port is not None
+        flow.metadata["polar_call"] = record.call_id
+        flow.request.scheme = "http"
+        flow.request.host = "127.0.0.1"
+        flow.request.port = self.gateway.port
+        flow.request.path = gateway_path
+        flow.request.method = "POST"
+        flow.request.headers = http.Headers(
+            host=f"127.0.0.1:{self.gateway.port}", content_length="0"
+        )
+        flow.request.content = b""
+
+    def _refuse(
+        self, flow: http.HTTPFlow, dialect: Dialect, record: CallRecord, e: DialectError
+    ) -> None:
+        flow.response = http.Response.make(
+            e.status,
+            dialect.error_bytes(e.status, e.message, e.kind),
+            {"content-type": "application/json"},
+        )
+        record.http_status = e.status
+        record.finished_at = now_us()
+        record.status, record.error, record.ids_source = "error", e.message, "none"
+        deliver(record, self.sinks)
+
+    def _call_done(self, call: Call) -> None:
+        self.live.pop(call.record.call_id, None)
+        self.gateway.drop(call.record.call_id)
+
+    def _other_path(self, flow: http.HTTPFlow) -> None:
+        if ctx.options.polar_other_paths == "pass":
+            key = api_key(flow.request.headers)
+            if key and key.startswith(API_KEY_PREFIX):
+                for name in ("authorization", "x-api-key", "api-key"):
+                    flow.request.headers.pop(name, None)
+            return
+        flow.response = _json_response(
+            404,
+            {
+                "error": {
+                    "message": f"polar-mitm answers only LLM endpoints on {flow.request.host}; "
+                    f"{flow.request.method} {flow.request.path.partition('?')[0]} is not one",
+                    "type": "not_found_error",
+                }
+            },
+        )
+
+    async def _served_model(self, announce: bool = False) -> str | None:
+        """polar_model, or the first model the server lists (asked until it answers)."""
+        if self.served_model or self.upstream is None or self.gateway.session is None:
+            return self.served_model
+        url = self.upstream.base_url + "/v1/models"
+        try:
+            async with self.gateway.session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
+                data = await r.json(content_type=None)
+            models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+        except Exception as e:
+            if announce:
+                log.warning(
+                    "polar-mitm: upstream %s is not reachable yet (%s): calls get a 502 naming it "
+                    "until it is",
+                    self.upstream.base_url,
+                    e or type(e).__name__,
+                )
+            return None
+        self.served_model = models[0] if models else None
+        return self.served_model
+
+
+def polar_addons() -> list[object]:
+    """The addons of `mitmdump -s addons/polar.py`, wired together."""
+    identity = RolloutIdentityAddon()
+    store = StoreAddon()
+    capture = CaptureAddon(identity, sinks=[store], proxy_id=store.proxy_id)
+    return [ProxySetup(), identity, TokenizerAddon(), store, capture]

@@ -1,0 +1,165 @@
+"""One record per LLM call, and the redaction that keeps secrets off disk.
+
+A `CallRecord` is created when the harness's request is parsed and finished exactly once —
+completed, error, client_aborted — so every call leaves a row, never a silent gap. Its fields are
+the columns of `store.schema.CALLS_SCHEMA`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+REDACTED = "[redacted]"
+# Headers whose values are credentials. Values are dropped, never hashed or truncated.
+SECRET_HEADERS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+        "set-cookie",
+        "x-goog-api-key",
+        "openai-organization",
+        "openai-project",
+        "chatgpt-account-id",
+        "x-polar-control-token",
+    }
+)
+# JSON keys whose values are credentials wherever they appear in a stored body.
+_SECRET_KEY = re.compile(
+    r"^(api[_-]?key|authorization|password|passwd|secret|client[_-]?secret|access[_-]?token"
+    r"|refresh[_-]?token|id[_-]?token|session[_-]?token|cookie|credentials?)$",
+    re.IGNORECASE,
+)
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def new_call_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class CallRecord:
+    rollout_id: str
+    call_id: str = field(default_factory=new_call_id)
+    rollout_source: str | None = None
+    group_id: str | None = None
+    sample_index: int | None = None
+    session_id: str | None = None
+    proxy_id: str | None = None
+    started_at: int = field(default_factory=now_us)
+    first_byte_at: int | None = None
+    finished_at: int | None = None
+    dialect: str | None = None
+    purpose: str | None = "main"
+    method: str | None = None
+    host: str | None = None
+    path: str | None = None
+    stream: bool | None = None
+    upstream_kind: str | None = None
+    upstream_url: str | None = None
+    route: str | None = "chat"
+    model_requested: str | None = None
+    model_served: str | None = None
+    policy_version: str | None = None
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    ids_source: str | None = None
+    count_check: str | None = None
+    finish_reason: str | None = None
+    usage_prompt_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    usage_json: str | None = None
+    status: str = "incomplete"
+    http_status: int | None = None
+    error: str | None = None
+    fidelity_flags: list[str] = field(default_factory=list)
+    fidelity_json: str | None = None
+    trainable: bool = False
+    request_json: str | None = None
+    response_json: str | None = None
+    headers_json: str | None = None
+
+    def mark_first_byte(self) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = now_us()
+
+    def flag(self, name: str) -> None:
+        if name not in self.fidelity_flags:
+            self.fidelity_flags.append(name)
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class CallSink(Protocol):
+    """Anything that wants finished calls: the store, trajectories, fidelity checks."""
+
+    def call_finished(self, record: CallRecord) -> None: ...
+
+
+def deliver(record: CallRecord, sinks: Iterable[CallSink]) -> None:
+    """Hand a finished record to every sink; one failing sink must not starve the others."""
+    for sink in sinks:
+        try:
+            sink.call_finished(record)
+        except Exception:
+            log.exception("polar-mitm: %r failed on call %s", sink, record.call_id)
+
+
+def redact_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in headers:
+        key = name.lower()
+        out[key] = REDACTED if key in SECRET_HEADERS else value
+    return out
+
+
+def secret_values(headers: Mapping[str, str]) -> list[str]:
+    """The credential values of a request, to scrub wherever else they might appear."""
+    values = []
+    for name in SECRET_HEADERS:
+        value = headers.get(name)
+        if value:
+            values.append(value)
+            scheme, _, rest = value.partition(" ")
+            if rest and scheme.lower() in ("bearer", "basic"):
+                values.append(rest.strip())
+    return [v for v in values if len(v) >= 6]
+
+
+def redact_obj(obj: Any) -> Any:
+    """A copy of a JSON value with credential-named keys blanked."""
+    if isinstance(obj, dict):
+        return {
+            k: (REDACTED if isinstance(k, str) and _SECRET_KEY.match(k) else redact_obj(v))
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [redact_obj(v) for v in obj]
+    return obj
+
+
+def redacted_json(obj: Any, secrets: Iterable[str] = ()) -> str:
+    text = json.dumps(redact_obj(obj), ensure_ascii=False, separators=(",", ":"))
+    return scrub(text, secrets)
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    for secret in secrets:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text

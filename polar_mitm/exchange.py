@@ -1,0 +1,296 @@
+"""One captured LLM call, from the upstream request to the finished record.
+
+The harness's request has been parsed by its dialect; `Call.run` sends the chat-completions body
+to the policy server, moves the token fields into the record as they arrive, and writes the
+harness's reply to an `Output` while it streams. Every way a call can end — reply complete,
+upstream error, upstream gone mid-stream, harness gone — ends in exactly one `finish`, so each
+call leaves one record, and the harness always gets a well-formed answer in its own dialect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+from .assemble import ChatAssembler, reply_to_chunks
+from .capture import CallRecord, CallSink, deliver, now_us, redacted_json
+from .dialects import Dialect, HarnessRequest
+from .sse import SSEParser
+from .upstream import TokenTally, Upstream
+
+log = logging.getLogger(__name__)
+_ERROR_BODY_LIMIT = 64 << 10
+
+
+class ClientGone(Exception):
+    """The harness closed its connection before the reply was complete."""
+
+
+class Output(Protocol):
+    """Where the harness's reply goes (the gateway's HTTP response)."""
+
+    @property
+    def started(self) -> bool: ...
+
+    async def start(self, status: int, content_type: str) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None: ...
+
+
+@dataclass(slots=True)
+class UpstreamSettings:
+    upstream: Upstream
+    model: str | None
+    connect_timeout: float = 10.0
+    stall_timeout: float = 300.0
+
+
+class UpstreamFailed(Exception):
+    """The upstream did not give a usable reply; `status` is what the harness gets."""
+
+    def __init__(self, message: str, status: int = 502, kind: str = "server_error"):
+        super().__init__(message)
+        self.message, self.status, self.kind = message, status, kind
+
+
+class Call:
+    def __init__(
+        self,
+        record: CallRecord,
+        dialect: Dialect,
+        req: HarnessRequest,
+        settings: UpstreamSettings,
+        sinks: Sequence[CallSink],
+        secrets: Sequence[str] = (),
+        on_done: Callable[[Call], None] | None = None,
+    ) -> None:
+        self.record = record
+        self.dialect = dialect
+        self.req = req
+        self.settings = settings
+        self.sinks = sinks
+        self.secrets = secrets
+        self.on_done = on_done
+        self.tally = TokenTally()
+        self.assembler = ChatAssembler()
+        self.task: asyncio.Task | None = None
+        self._finished = False
+
+    # -- driving the call -------------------------------------------------------------------
+
+    async def run(self, out: Output, session: aiohttp.ClientSession) -> None:
+        self.task = asyncio.current_task()
+        upstream = self.settings.upstream
+        stream_upstream = self.req.stream and upstream.streams_with_tokens
+        body = upstream.request_body(
+            self.req.chat,
+            model=self.settings.model or self.req.model or None,
+            stream=stream_upstream,
+            top_logprobs=self.req.top_logprobs,
+        )
+        self.record.model_served = body.get("model")
+        try:
+            async with session.post(upstream.chat_url, json=body) as resp:
+                if resp.status != 200:
+                    raise await self._upstream_error(resp)
+                if stream_upstream:
+                    await self._relay_stream(resp, out)
+                else:
+                    await self._relay_reply(resp, out)
+        except ClientGone:
+            self.finish("client_aborted", "the harness closed the connection mid-reply")
+        except asyncio.CancelledError:
+            self.finish("client_aborted", "the harness closed the connection")
+            raise
+        except UpstreamFailed as e:
+            await self._answer_error(out, e)
+        except aiohttp.ConnectionTimeoutError:
+            msg = (
+                f"upstream {upstream.base_url} did not accept a connection within "
+                f"{self.settings.connect_timeout:g}s"
+            )
+            await self._answer_error(out, UpstreamFailed(msg, 504))
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            await self._answer_error(out, UpstreamFailed(self._stall_message(), 504))
+        except aiohttp.ClientConnectorError as e:
+            msg = f"upstream {upstream.base_url} is unreachable: {e.strerror or e}"
+            await self._answer_error(out, UpstreamFailed(msg, 502))
+        except (aiohttp.ClientError, ConnectionError) as e:
+            msg = f"upstream {upstream.base_url} failed: {type(e).__name__}: {e}"
+            await self._answer_error(out, UpstreamFailed(msg, 502))
+        except Exception as e:  # a bug of ours must still answer and leave a record
+            log.exception("polar-mitm: call %s failed", self.record.call_id)
+            await self._answer_error(out, UpstreamFailed(f"polar-mitm internal error: {e}", 500))
+
+    async def _relay_stream(self, resp: aiohttp.ClientResponse, out: Output) -> None:
+        translator = self.dialect.stream(self.req)
+        parser = SSEParser()
+        upstream = self.settings.upstream
+        await out.start(200, translator.content_type)
+        done = False
+        async for data in resp.content.iter_any():
+            pieces = []
+            for event in parser.feed(data):
+                if event.data == "[DONE]":
+                    done = True
+                    break
+                chunk = _json_chunk(event.data)
+                if "error" in chunk and not chunk.get("choices"):
+                    raise UpstreamFailed(f"upstream error mid-stream: {_error_message(chunk)}")
+                upstream.take_chunk(chunk, self.tally)
+                self.assembler.feed(chunk)
+                piece = translator.chunk(chunk)
+                if piece:
+                    pieces.append(piece)
+            if pieces:
+                await self._write(out, b"".join(pieces))
+            if done:
+                break
+        if not done and self.tally.finish_reason is None:
+            raise UpstreamFailed(f"upstream {upstream.base_url} ended the stream before it was complete")
+        await self._write(out, translator.finish())
+        self.finish("completed")
+
+    async def _relay_reply(self, resp: aiohttp.ClientResponse, out: Output) -> None:
+        try:
+            reply = await resp.json(content_type=None)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise UpstreamFailed(f"upstream reply is not valid JSON: {e}") from None
+        if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
+            raise UpstreamFailed("upstream reply is not a chat completion")
+        self.settings.upstream.take_reply(reply, self.tally)
+        if self.req.stream:  # the server cannot stream with token flags: synthesize the stream
+            translator = self.dialect.stream(self.req)
+            await out.start(200, translator.content_type)
+            pieces = []
+            for chunk in reply_to_chunks(reply):
+                self.assembler.feed(chunk)
+                pieces.append(translator.chunk(chunk))
+            pieces.append(translator.finish())
+            await self._write(out, b"".join(pieces))
+        else:
+            self.assembler.feed(reply)
+            harness_reply = self.dialect.reply(self.req, reply)
+            self.record.mark_first_byte()
+            await out.send(200, json.dumps(harness_reply, ensure_ascii=False).encode())
+        self.finish("completed")
+
+    async def _write(self, out: Output, data: bytes) -> None:
+        if data:
+            await out.write(data)
+            self.record.mark_first_byte()
+
+    async def _upstream_error(self, resp: aiohttp.ClientResponse) -> UpstreamFailed:
+        raw = await resp.content.read(_ERROR_BODY_LIMIT)
+        detail = raw.decode("utf-8", "replace").strip()
+        try:
+            detail = _error_message(json.loads(detail)) or detail
+        except (json.JSONDecodeError, ValueError):
+            pass
+        url = self.settings.upstream.base_url
+        message = f"upstream {url} returned HTTP {resp.status}" + (f": {detail}" if detail else "")
+        kind = "invalid_request_error" if 400 <= resp.status < 500 else "server_error"
+        if resp.status == 429:
+            kind = "rate_limit_error"
+        return UpstreamFailed(message, resp.status, kind)
+
+    async def _answer_error(self, out: Output, e: UpstreamFailed) -> None:
+        self.record.http_status = e.status
+        try:
+            if out.started:
+                await out.write(self.dialect.stream(self.req).fail(e.message, e.kind))
+            else:
+                await out.send(e.status, self.dialect.error_bytes(e.status, e.message, e.kind))
+        except ClientGone:
+            pass
+        self.finish("error", e.message)
+
+    def _stall_message(self) -> str:
+        s = self.settings
+        where = "mid-stream" if self.tally.output_ids or self.assembler.content else "before replying"
+        return f"upstream {s.upstream.base_url} sent nothing for {s.stall_timeout:g}s {where}"
+
+    # -- the record -------------------------------------------------------------------------
+
+    def finish(self, status: str, error: str | None = None) -> None:
+        """Complete the record exactly once and hand it to every sink."""
+        if self._finished:
+            return
+        self._finished = True
+        record, tally = self.record, self.tally
+        record.finished_at = now_us()
+        record.status = status
+        record.error = error
+        if record.http_status is None:
+            record.http_status = 200 if status != "error" else 502
+        record.prompt_token_ids = tally.prompt_ids
+        record.output_token_ids = tally.output_ids
+        record.output_logprobs = tally.logprobs
+        record.finish_reason = tally.finish_reason or self.assembler.finish_reason
+        record.model_served = tally.model or record.model_served
+        if tally.usage:
+            record.usage_json = json.dumps(tally.usage)
+            record.usage_prompt_tokens = _int_or_none(tally.usage.get("prompt_tokens"))
+            record.usage_completion_tokens = _int_or_none(tally.usage.get("completion_tokens"))
+        record.count_check = tally.count_check()
+        if record.count_check == "mismatch":
+            record.flag("count_mismatch")
+        if tally.prompt_ids is not None and tally.saw_output_ids:
+            record.ids_source = "upstream"
+        else:
+            record.ids_source = "none"
+            if status == "completed":
+                record.flag("missing_token_ids")
+        if len(tally.logprobs) != len(tally.output_ids) and tally.output_ids:
+            record.flag("logprobs_misaligned")
+        if self.assembler.id is not None or status == "completed":
+            record.response_json = redacted_json(self.assembler.as_reply(), self.secrets)
+        record.trainable = (
+            status == "completed" and record.ids_source == "upstream" and not record.fidelity_flags
+        )
+        deliver(record, self.sinks)
+        if self.on_done is not None:
+            self.on_done(self)
+
+    def abort(self, reason: str) -> None:
+        """The harness went away (mitmproxy's error hook): stop the upstream request."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        else:
+            self.finish("client_aborted", reason)
+
+
+def _json_chunk(data: str) -> dict[str, Any]:
+    try:
+        chunk = json.loads(data)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise UpstreamFailed(f"upstream sent invalid JSON in a stream chunk: {e}") from None
+    if not isinstance(chunk, dict):
+        raise UpstreamFailed("upstream sent a stream chunk that is not a JSON object")
+    return chunk
+
+
+def _error_message(obj: Any) -> str | None:
+    if isinstance(obj, dict):
+        error = obj.get("error", obj)
+        if isinstance(error, dict):
+            for key in ("message", "detail", "msg"):
+                if isinstance(error.get(key), str):
+                    return error[key]
+        elif isinstance(error, str):
+            return error
+        if isinstance(obj.get("detail"), str):
+            return obj["detail"]
+    return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,71 @@
+"""The small interface every policy server implements: ask for token fields, take them out.
+
+An upstream module knows one server's extra request flags and where that server puts prompt ids,
+sampled ids and logprobs in its replies. `take_chunk` / `take_reply` move those into a
+`TokenTally` and delete them from the JSON, so everything downstream handles plain OpenAI
+chat-completions objects. Adding a server is one module with one `Upstream` subclass.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(slots=True)
+class TokenTally:
+    """What the server told us about tokens for one call."""
+
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    model: str | None = None
+    saw_output_ids: bool = False  # the server sent an output-ids field at all (even empty)
+
+    def count_check(self) -> str:
+        """`ok` when the sampled ids match the server's usage count (a vLLM bug once dropped
+        tool-call tokens in streams), `mismatch` when not, `no_usage` when there is no count."""
+        completion = (self.usage or {}).get("completion_tokens")
+        if not isinstance(completion, int):
+            return "no_usage"
+        return "ok" if completion == len(self.output_ids) else "mismatch"
+
+
+class Upstream(ABC):
+    kind: ClassVar[str]
+    # Whether chat streaming works together with the token flags. SGLang refuses it, so the
+    # call goes upstream non-streaming and the harness's stream is synthesized.
+    streams_with_tokens: ClassVar[bool] = True
+    chat_path: ClassVar[str] = "/v1/chat/completions"
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url.rstrip("/")
+
+    @property
+    def chat_url(self) -> str:
+        return self.base_url + self.chat_path
+
+    @abstractmethod
+    def request_body(
+        self, chat: dict[str, Any], *, model: str | None, stream: bool, top_logprobs: int
+    ) -> dict[str, Any]:
+        """The upstream body: the dialect's chat body plus this server's token flags."""
+
+    @abstractmethod
+    def take_chunk(self, chunk: dict[str, Any], tally: TokenTally) -> None:
+        """Move token fields of one stream chunk into `tally`, deleting them from `chunk`."""
+
+    @abstractmethod
+    def take_reply(self, reply: dict[str, Any], tally: TokenTally) -> None:
+        """The same for a whole (non-streaming) reply."""
+
+    def take_logprobs(self, choice: dict[str, Any], tally: TokenTally) -> None:
+        """OpenAI-shaped `logprobs.content[].logprob`, shared by the servers that use it."""
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            content = logprobs.get("content")
+            if content:
+                tally.logprobs.extend(float(entry.get("logprob", 0.0)) for entry in content)

@@ -1,0 +1,47 @@
+"""Shared fixtures: a CA made once per session, and factories for the real processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from polar_mitm.certs import ensure_ca
+
+from .procs import Mitm, PolicyServer, start_mitm, start_policy_server
+
+
+@pytest.fixture(scope="session")
+def confdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("certs")
+    ensure_ca(path)
+    return path
+
+
+@pytest.fixture
+def make_policy_server(tmp_path: Path) -> Iterator:
+    started: list[PolicyServer] = []
+
+    def make(scenario: Path | str | None = None, *extra: str) -> PolicyServer:
+        server = start_policy_server(tmp_path, scenario, extra, name=f"policy{len(started)}")
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def make_mitm(tmp_path: Path, confdir: Path) -> Iterator:
+    started: list[Mitm] = []
+
+    def make(upstream: str | None, **options: object) -> Mitm:
+        mitm = start_mitm(tmp_path, confdir, upstream, name=f"mitm{len(started)}", **options)
+        started.append(mitm)
+        return mitm
+
+    yield make
+    for mitm in started:
+        mitm.stop()

@@ -1,0 +1,166 @@
+"""Real processes for end-to-end tests: the reference policy server and mitmdump with the addon."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MITMDUMP = str(BIN / "mitmdump")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process whose combined output is kept (and shown when a test fails)."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log_path = log
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+        )
+        self._seen = b""
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        """Read output until `pattern` appears; fail with the output so far if it does not."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        sel = selectors.DefaultSelector()
+        assert self.popen.stdout is not None
+        sel.register(self.popen.stdout, selectors.EVENT_READ)
+        os.set_blocking(self.popen.stdout.fileno(), False)
+        try:
+            while True:
+                match = regex.search(self._seen.decode("utf-8", "replace"))
+                if match:
+                    return match
+                left = deadline - time.monotonic()
+                if left <= 0 or self.popen.poll() is not None and not sel.select(0):
+                    raise RuntimeError(
+                        f"{self.args[:3]} did not print {pattern!r} "
+                        f"(rc={self.popen.poll()}):\n{self.output()}"
+                    )
+                if sel.select(min(left, 0.5)):
+                    self._pump()
+        finally:
+            sel.close()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        try:
+            data = self.popen.stdout.read(1 << 16)
+        except BlockingIOError:
+            return
+        if data:
+            self._seen += data
+            self._log.write(data)
+            self._log.flush()
+
+    def output(self) -> str:
+        if self.popen.stdout is not None:
+            try:
+                os.set_blocking(self.popen.stdout.fileno(), False)
+                while True:
+                    data = self.popen.stdout.read(1 << 16)
+                    if not data:
+                        break
+                    self._seen += data
+                    self._log.write(data)
+            except (BlockingIOError, ValueError, OSError):
+                pass
+        return self._seen.decode("utf-8", "replace")
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self.output()
+        self._log.close()
+        return self.popen.returncode
+
+
+@dataclass
+class PolicyServer:
+    proc: Proc
+    url: str
+
+    def stop(self) -> None:
+        self.proc.stop(signal.SIGTERM)
+
+
+def start_policy_server(
+    tmp: Path, scenario: Path | str | None = None, extra: Iterable[str] = (), name: str = "policy"
+) -> PolicyServer:
+    args = [sys.executable, "-m", "polar_mitm.policy_server", "--port", "0"]
+    if scenario is not None:
+        args += ["--scenario", str(scenario)]
+    args += list(extra)
+    proc = Proc(args, tmp / f"{name}.log")
+    match = proc.wait_for(r"policy-server listening on (http://\S+)", timeout=90)
+    return PolicyServer(proc, match.group(1))
+
+
+@dataclass
+class Mitm:
+    proc: Proc
+    port: int
+    confdir: Path
+    output: Path
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ca(self) -> Path:
+        return self.confdir / "mitmproxy-ca-cert.pem"
+
+    def proxy(self, user: str | None = None, password: str = "pw") -> str:
+        return f"http://{user}:{password}@127.0.0.1:{self.port}" if user else self.url
+
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        return self.proc.stop(sig)
+
+
+def start_mitm(
+    tmp: Path, confdir: Path, upstream: str | None, name: str = "mitm", **options: object
+) -> Mitm:
+    port = free_port()
+    output = Path(str(options.pop("polar_output", tmp / f"{name}-data")))
+    opts: dict[str, str] = {"confdir": str(confdir), "polar_output": str(output)}
+    if upstream is not None:
+        opts["polar_upstream"] = upstream
+    opts.update({k: str(v) for k, v in options.items()})
+    args = [MITMDUMP, "-s", str(ROOT / "addons" / "polar.py"), "--listen-host", "127.0.0.1",
+            "--listen-port", str(port)]
+    for key, value in opts.items():
+        args += ["--set", f"{key}={value}"]
+    proc = Proc(args, tmp / f"{name}.log")
+    proc.wait_for(r"proxy listening at", timeout=60)
+    proc.wait_for(r"polar-mitm: capturing", timeout=30)
+    return Mitm(proc, port, confdir, output, opts)

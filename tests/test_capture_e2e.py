@@ -1,0 +1,249 @@
+"""The capture path end to end: openai SDK -> HTTPS_PROXY -> real mitmdump + addon -> policy server.
+
+Everything here is a real process on loopback: the reference policy server (vLLM wire format,
+real Qwen3 tokenizer and chat template) and mitmdump with addons/polar.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from polar_mitm.assets import qwen3_tokenizer_dir
+from polar_mitm.store import read_table
+
+from .clients import (
+    RUN_SHELL,
+    grep_bytes,
+    http_client,
+    openai_client,
+    run_tool_conversation,
+    vllm_messages,
+)
+from .procs import MITMDUMP, ROOT, Proc, free_port
+
+SCENARIO = Path(__file__).parent / "scenarios" / "three_turns.json"
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+
+
+def calls_of(mitm) -> list[dict]:
+    assert mitm.stop() == 0, mitm.proc.output()
+    rows = read_table(str(mitm.output), "calls").to_pylist()
+    return sorted(rows, key=lambda r: r["started_at"])
+
+
+def direct(server_url: str, messages: list[dict]) -> dict:
+    """What the policy server itself answers (no proxy), with the token fields."""
+    body = {"model": "Qwen/Qwen3-4B", "messages": messages, "tools": [RUN_SHELL],
+            "return_token_ids": True, "logprobs": True, "top_logprobs": 0}
+    r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stream):
+    server = make_policy_server(SCENARIO)
+    mitm = make_mitm(server.url)
+    client = openai_client(mitm, api_key="polar-conv.1")
+    sent, replies = run_tool_conversation(client, stream=stream)
+
+    assert [r["finish_reason"] for r in replies] == ["tool_calls", "tool_calls", "stop"]
+    assert json.loads(replies[0]["tool_calls"][0]["function"]["arguments"]) == {"cmd": "cat notes.txt"}
+    assert replies[0]["tool_calls"][0]["function"]["name"] == "run_shell"
+    assert replies[2]["content"] == "notes.txt has 3 lines: alpha, beta and gamma."
+    assert replies[0].get("reasoning") == "I should look at the file first."
+
+    calls = calls_of(mitm)
+    assert len(calls) == 3
+    for messages, row in zip(sent, calls, strict=True):
+        assert row["rollout_id"] == "conv.1" and row["group_id"] == "conv" and row["sample_index"] == 1
+        assert row["status"] == "completed" and row["stream"] is stream
+        assert row["model_requested"] == "gpt-4.1-mini" and row["model_served"] == "Qwen/Qwen3-4B"
+        expected_prompt = qwen3.apply_chat_template(
+            vllm_messages(messages), tools=[RUN_SHELL], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        assert row["prompt_token_ids"] == expected_prompt
+        truth = direct(server.url, messages)
+        assert row["prompt_token_ids"] == truth["prompt_token_ids"]
+        assert row["output_token_ids"] == truth["choices"][0]["token_ids"]
+        lps = [e["logprob"] for e in truth["choices"][0]["logprobs"]["content"]]
+        assert row["output_logprobs"] == pytest.approx(lps, abs=1e-6)
+        assert len(row["output_logprobs"]) == len(row["output_token_ids"]) > 0
+        assert row["output_token_ids"][-1] == qwen3.convert_tokens_to_ids("<|im_end|>")
+        assert row["count_check"] == "ok" and row["ids_source"] == "upstream"
+        assert row["trainable"] is True
+        assert row["usage_completion_tokens"] == len(row["output_token_ids"])
+        assert row["first_byte_at"] >= row["started_at"] and row["finished_at"] >= row["first_byte_at"]
+    assert grep_bytes(mitm.output, ["polar-conv.1"]) == {}
+
+
+def test_streaming_is_live(make_policy_server, make_mitm):
+    """The server holds its last chunk until the client has read the first one: a proxy that
+    buffered the reply would deadlock here (until the server's 30 s hold timeout)."""
+    server = make_policy_server(SCENARIO)
+    mitm = make_mitm(server.url)
+    first_chunk = threading.Event()
+    result: dict = {}
+
+    def read_stream() -> None:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "HOLD please"}]}
+        with http_client(mitm) as client, client.stream(
+            "POST", "https://api.openai.com/v1/chat/completions", json=body,
+            headers={"authorization": "Bearer polar-live.0"},
+        ) as r:
+            text = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first_chunk.set()
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    text.append(delta.get("content") or "")
+            result["text"] = "".join(text)
+            result["done_at"] = time.monotonic()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert first_chunk.wait(20), "the first chunk did not reach the client before the last was sent"
+    released_at = time.monotonic()
+    httpx.post(server.url + "/_polar/release", timeout=10).raise_for_status()
+    reader.join(30)
+    assert result["text"] == "one two three four five six seven eight nine ten"
+    assert result["done_at"] >= released_at
+    [row] = calls_of(mitm)
+    assert row["status"] == "completed" and row["stream"] is True
+
+
+def test_rollout_identity_sources(make_policy_server, make_mitm):
+    server = make_policy_server(SCENARIO)
+    mitm = make_mitm(server.url)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    url = "https://api.openai.com/v1/chat/completions"
+    with http_client(mitm, user="django-11099.3", password="s3cret-proxy-pw") as c:  # rule 1 beats rule 2
+        c.post(url, json=body, headers={"authorization": "Bearer polar-other.1"}).raise_for_status()
+    with http_client(mitm) as c:
+        c.post(url, json=body, headers={"authorization": "Bearer polar-keyed.7"}).raise_for_status()
+        c.post(url, json=body, headers={"x-api-key": "polar-anthro"}).raise_for_status()
+        c.post(url, json=body, headers={"authorization": "Bearer sk-real-looking-key-123",
+                                        "x-polar-rollout": "hdr.2"}).raise_for_status()
+        c.post(url, json=body, headers={"authorization": "Bearer sk-real-looking-key-123",
+                                        "session-id": "sess-42"}).raise_for_status()
+    rows = calls_of(mitm)
+    got = [(r["rollout_id"], r["rollout_source"], r["group_id"], r["sample_index"]) for r in rows]
+    assert got == [
+        ("django-11099.3", "proxy_auth", "django-11099", 3),
+        ("keyed.7", "api_key", "keyed", 7),
+        ("anthro", "api_key", None, None),
+        ("hdr.2", "header", "hdr", 2),
+        ("127.0.0.1-sess-42", "session", None, None),
+    ]
+    assert rows[-1]["session_id"] == "sess-42"
+    assert grep_bytes(mitm.output, ["s3cret-proxy-pw", "sk-real-looking-key-123", "polar-other.1",
+                                    "polar-keyed.7", "polar-anthro"]) == {}
+
+
+def test_other_traffic_passes_byte_for_byte(make_policy_server, make_mitm, tmp_path):
+    from .tls_echo import start_tls_echo
+
+    server = make_policy_server(SCENARIO)
+    echo = start_tls_echo(tmp_path)
+    mitm = make_mitm(server.url, ssl_insecure="true")
+    payload = bytes(range(256)) * 400
+    try:
+        with http_client(mitm) as c:
+            # An LLM-looking path on a host outside polar_hosts is never rewritten.
+            r = c.post(f"https://127.0.0.1:{echo.port}/v1/chat/completions", content=payload,
+                       headers={"content-type": "application/octet-stream"})
+            assert r.status_code == 200 and r.content == payload
+            r = c.get(f"https://127.0.0.1:{echo.port}/blob?size=100000")
+            assert r.content == echo.blob(100000)
+            # Another path on a captured host is answered locally (polar_other_paths=answer).
+            r = c.get("https://api.openai.com/v1/files")
+            assert r.status_code == 404 and "polar-mitm" in r.json()["error"]["message"]
+    finally:
+        echo.stop()
+    assert echo.seen_paths == ["/v1/chat/completions", "/blob?size=100000"]
+    assert calls_of(mitm) == []
+
+
+def test_bad_input_and_unreachable_upstream(make_policy_server, make_mitm):
+    server = make_policy_server(SCENARIO)
+    mitm = make_mitm(server.url)
+    url = "https://api.openai.com/v1/chat/completions"
+    with http_client(mitm) as c:
+        r = c.post(url, content=b'{"model": "m", "messages": [', headers={"authorization": "Bearer polar-bad.0"})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert "not valid JSON" in err["message"] and err["type"] == "invalid_request_error"
+        r = c.post(url, json={"model": "m", "messages": "hi"}, headers={"authorization": "Bearer polar-bad.0"})
+        assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+        r = c.post(url, json={"model": "m", "messages": [{"role": "user", "content": "ok?"}]},
+                   headers={"authorization": "Bearer polar-bad.0"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    rows = calls_of(mitm)
+    assert [r["status"] for r in rows] == ["error", "error", "completed"]
+    assert rows[0]["http_status"] == 400 and "not valid JSON" in rows[0]["error"]
+    assert rows[0]["trainable"] is False
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    mitm2 = make_mitm(dead)
+    with http_client(mitm2) as c:
+        for stream in (False, True):
+            r = c.post(url, json={"model": "m", "stream": stream, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 502
+            assert dead in r.json()["error"]["message"]
+        r = c.get(f"{mitm2.url}/")  # the proxy itself still answers
+    rows = calls_of(mitm2)
+    assert [r["status"] for r in rows] == ["error", "error"]
+    assert all(dead in r["error"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({}, "polar_upstream: required"),
+        ({"polar_upstream": "not a url"}, "polar_upstream:"),
+        ({"polar_upstream": "http://127.0.0.1:9", "polar_upstream_kind": "tgi"}, "polar_upstream_kind: unknown kind 'tgi'"),
+        ({"polar_upstream": "http://127.0.0.1:9", "polar_tokenizer": "/nonexistent/tok"}, "polar_tokenizer:"),
+    ],
+    ids=["missing", "invalid", "kind", "tokenizer"],
+)
+def test_startup_option_errors(tmp_path, confdir, options, needle):
+    args = [MITMDUMP, "-s", str(ROOT / "addons" / "polar.py"), "--listen-host", "127.0.0.1",
+            "--listen-port", str(free_port()), "--set", f"confdir={confdir}",
+            "--set", f"polar_output={tmp_path / 'out'}"]
+    for key, value in options.items():
+        args += ["--set", f"{key}={value}"]
+    proc = Proc(args, tmp_path / "mitm.log")
+    proc.popen.wait(60)
+    out = proc.output()
+    assert proc.popen.returncode != 0
+    assert needle in out, out
+    assert "Traceback" not in out, out
+
+
+def test_env_command(confdir):
+    from click.testing import CliRunner
+
+    from polar_mitm.cli import main
+
+    result = CliRunner().invoke(main, ["env", "--proxy", "http://10.0.0.5:8080", "--rollout", "task.3",
+                                       "--confdir", str(confdir)])
+    assert result.exit_code == 0, result.output
+    lines = dict(line.removeprefix("export ").split("=", 1) for line in result.output.splitlines())
+    assert lines["HTTPS_PROXY"] == "http://task.3:polar@10.0.0.5:8080"
+    assert lines["HTTP_PROXY"] == lines["HTTPS_PROXY"]
+    for name in ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CODEX_CA_CERTIFICATE"):
+        assert lines[name] == str(confdir / "mitmproxy-ca-cert.pem")
+    assert "127.0.0.1" in lines["NO_PROXY"]
+    bad = CliRunner().invoke(main, ["env", "--proxy", "nohost", "--confdir", str(confdir)])
+    assert bad.exit_code != 0 and "error:" in bad.output
