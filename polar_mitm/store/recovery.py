@@ -1,0 +1,161 @@
+"""Recovery: what a crashed (or killed, or power-cut) run left in the journal, made into shards once.
+
+Called by `Store.start()` before the writer threads run, and by `recover()` (``polar-mitm recover``).
+The rules, in the order they apply:
+
+1. temp shards (``.part-….parquet.tmp``) under the output are removed (see `cleanup_temp_files`);
+2. every leftover segment is read up to its first damaged frame; the damage (a torn tail from a crash
+   mid-write, or garbage) is reported with ONE warning naming the file and offset, never raised;
+3. records of a (segment, dataset) already in the manifest are skipped: their shards exist;
+4. the remaining rows are deduplicated by key — ``call_id`` for calls, ``(trace_id, revision)`` for
+   traces — keeping the last journaled copy (a row journaled twice, e.g. after a failed write that
+   was retried into the next segment, is written once);
+5. those rows become shards, the manifest records it, and the segments are deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from .journal import Damage, decode_record, list_segments, read_segment
+from .schema import SCHEMAS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecoveryReport:
+    """What `Store.start()` / `recover()` found and did; ``str()`` gives a one-line summary."""
+
+    journal_dir: str
+    segments: int = 0  # leftover segment files found
+    segments_already_committed: int = 0  # deleted without rewriting: all their rows were in shards
+    records: int = 0  # intact records read
+    rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SCHEMAS, 0))  # recovered
+    already_committed: int = 0  # records skipped because the manifest lists their segment
+    duplicates: int = 0  # records dropped because a later copy of the same key exists
+    invalid_records: int = 0  # intact frames that are not journal records (or name no dataset)
+    damaged: list[Damage] = field(default_factory=list)  # torn / corrupt tails, one per file
+    temp_files_removed: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)  # shards written from the recovered rows
+    error: str | None = None  # set when the recovered rows could not be written yet (retried)
+
+    @property
+    def recovered_rows(self) -> int:
+        return sum(self.rows.values())
+
+    @property
+    def clean(self) -> bool:
+        """Nothing was left over: the previous run closed properly."""
+        return not (self.segments or self.temp_files_removed)
+
+    def __str__(self) -> str:
+        if self.clean:
+            return f"journal {self.journal_dir}: clean, nothing to recover"
+        rows = ", ".join(f"{n} {d}" for d, n in self.rows.items())
+        parts = [
+            f"journal {self.journal_dir}: {self.segments} leftover segment(s)",
+            f"recovered {rows}",
+            f"into {len(self.shards)} shard(s)",
+        ]
+        if self.segments_already_committed:
+            parts.append(f"{self.segments_already_committed} segment(s) were already in shards")
+        if self.duplicates:
+            parts.append(f"{self.duplicates} duplicate(s) dropped")
+        if self.damaged:
+            parts.append(f"{len(self.damaged)} damaged tail(s) skipped")
+        if self.invalid_records:
+            parts.append(f"{self.invalid_records} invalid record(s) skipped")
+        if self.temp_files_removed:
+            parts.append(f"{len(self.temp_files_removed)} temp file(s) removed")
+        if self.error:
+            parts.append(f"NOT YET WRITTEN ({self.error}); kept in the journal and retried")
+        return "; ".join(parts)
+
+
+@dataclass
+class Scan:
+    """Leftover journal content: rows still to be sharded and the segments they came from."""
+
+    segments: list[int]  # every leftover segment number
+    rows: dict[str, list[tuple[int, dict[str, Any]]]]  # dataset -> [(segment, row)], journal order
+
+
+def _key(dataset: str, row: dict[str, Any], unique: object) -> tuple[Any, ...]:
+    if dataset == "calls":
+        k = row.get("call_id")
+        return ("c", k) if k is not None else ("?", unique)
+    k = row.get("trace_id")
+    return ("t", k, row.get("revision")) if k is not None else ("?", unique)
+
+
+def scan_journal(
+    journal_dir: str, committed: Iterable[tuple[int, str]], report: RecoveryReport
+) -> Scan:
+    """Read every leftover segment (rules 2–4 above), filling ``report``; writes nothing."""
+    committed = set(committed)
+    segments = list_segments(journal_dir)
+    report.segments = len(segments)
+    latest: dict[str, dict[tuple[Any, ...], tuple[int, dict[str, Any]]]] = {d: {} for d in SCHEMAS}
+    for n, path in segments:
+        try:
+            payloads, damage = read_segment(path)
+        except OSError as exc:
+            log.warning("journal %s: unreadable (%s); left in place", path, exc)
+            report.invalid_records += 1
+            continue
+        if damage is not None:
+            log.warning("journal %s", damage)
+            report.damaged.append(damage)
+        report.records += len(payloads)
+        fully_committed = True
+        for i, payload in enumerate(payloads):
+            try:
+                dataset, row = decode_record(payload)
+            except ValueError:
+                report.invalid_records += 1
+                continue
+            if dataset not in SCHEMAS:
+                report.invalid_records += 1
+                continue
+            if (n, dataset) in committed:
+                report.already_committed += 1
+                continue
+            fully_committed = False
+            key = _key(dataset, row, (n, i))
+            seen = latest[dataset]
+            if key in seen:
+                report.duplicates += 1
+                del seen[key]  # re-insert so the kept copy sits where it was last journaled
+            seen[key] = (n, row)
+        if fully_committed and payloads:
+            report.segments_already_committed += 1
+    rows = {d: list(latest[d].values()) for d in SCHEMAS}
+    for d in SCHEMAS:
+        report.rows[d] = len(rows[d])
+    return Scan([n for n, _ in segments], rows)
+
+
+def recover(
+    output: str | os.PathLike[str],
+    journal_dir: str | os.PathLike[str] | None = None,
+    filesystem: pafs.FileSystem | None = None,
+    timeout: float | None = 60.0,
+) -> RecoveryReport:
+    """Turn a crashed run's journal into shards and return what was done (``polar-mitm recover``).
+
+    Takes the journal's lock, so it refuses to run beside a live proxy on the same journal. When the
+    output is unreachable the rows stay in the journal and ``report.error`` says why.
+    """
+    from .writer import Store  # the Store owns the commit protocol; recovery reuses it
+
+    store = Store(output, journal_dir=journal_dir, filesystem=filesystem)
+    report = store.start()
+    store.close(timeout=0 if report.error else timeout)
+    return report

@@ -1,0 +1,311 @@
+"""Parquet shards: turning journaled rows into immutable, self-describing files.
+
+Layout: ``<output>/<dataset>/date=YYYY-MM-DD/part-<utc ts>-<proxy_id>-<segment n:08d>.parquet``, a
+Hive-style partition so ``pyarrow.dataset.dataset(path, partitioning="hive")``, DuckDB, Spark, HF
+``datasets`` and Ray all prune by day. The day is the row's own time (calls: ``started_at``, else
+``finished_at``; traces: ``created_at``), UTC, falling back to the time of writing; one flush can
+therefore produce one file per day it spans. ``<segment n>`` is the newest journal segment whose rows
+the file holds; with the proxy id and a microsecond timestamp it makes names unique across proxies
+sharing one bucket.
+
+A reader never sees a partial file:
+- local output: written to ``.part-….parquet.tmp`` in the same directory (hidden, so dataset
+  discovery skips it), fsynced, renamed, and the directory fsynced;
+- remote output (S3, GCS, …): the whole file is built in memory and sent with one
+  ``open_output_stream`` to the final key. Object stores make an object visible only when its upload
+  completes (PutObject, or CompleteMultipartUpload on close), so no temp key and no copy are needed;
+  pyarrow has no atomic rename on S3 anyway. A failed upload leaves no object (at most an incomplete
+  multipart upload, which a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims); we
+  also delete the key best-effort before retrying.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import posixpath
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from .. import __version__
+from .journal import fsync_dir
+from .schema import SCHEMA_VERSION, SCHEMAS
+
+log = logging.getLogger(__name__)
+
+PRODUCER = f"polar-mitm {__version__}"
+
+# Row groups are the unit a training reader decodes at once (HF datasets streaming, Ray read tasks,
+# a DataLoader worker reading with iter_batches) and the unit of coarse shuffling. Our rows are big
+# (a trace is input_ids + loss_mask + logprobs of up to ~100k tokens, a call carries JSON bodies), so
+# the cap is in bytes: ~32 MiB of uncompressed Arrow data per group keeps a reader's working set and
+# its first-batch latency small and gives a shuffle buffer many groups to mix, while the per-group
+# footer/page overhead stays far below 0.1%. The row cap keeps groups of tiny rows seekable.
+ROW_GROUP_TARGET_BYTES = 32 << 20
+ROW_GROUP_MAX_ROWS = 8192
+
+# Newest-first list of the columns a row's day is taken from.
+PARTITION_COLUMNS: dict[str, tuple[str, ...]] = {
+    "calls": ("started_at", "finished_at"),
+    "traces": ("created_at",),
+}
+
+TMP_SUFFIX = ".tmp"
+# Temp files of another proxy sharing the output are left alone unless this old: a crashed proxy that
+# never comes back would otherwise leave them forever.
+STALE_TMP_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where shards go: a pyarrow filesystem, the root path inside it, and whether it is local
+    (local output gets fsync + rename; remote output gets a single atomic upload)."""
+
+    fs: pafs.FileSystem
+    root: str
+    local: bool
+
+    def dataset_dir(self, dataset: str) -> str:
+        return (
+            posixpath.join(self.root, dataset)
+            if not self.local
+            else os.path.join(self.root, dataset)
+        )
+
+
+def resolve_output(
+    output: str | os.PathLike[str], filesystem: pafs.FileSystem | None = None
+) -> Location:
+    """Turn ``polar_output`` (a path, ``file://`` or any pyarrow URI such as
+    ``s3://bucket/prefix?endpoint_override=…``) into a Location."""
+    text = os.fspath(output)
+    if filesystem is not None:
+        local = isinstance(filesystem, pafs.LocalFileSystem)
+        root = os.path.abspath(text) if local else text.rstrip("/")
+        return Location(filesystem, root, local)
+    if "://" not in text:
+        return Location(pafs.LocalFileSystem(), os.path.abspath(text), True)
+    try:
+        fs, path = pafs.FileSystem.from_uri(text)
+    except Exception as exc:
+        raise ValueError(
+            f"polar_output {text!r} is not a path or a pyarrow filesystem URI: {exc}"
+        ) from exc
+    local = isinstance(fs, pafs.LocalFileSystem)
+    return Location(fs, os.path.abspath(path) if local else path.rstrip("/"), local)
+
+
+def to_table(
+    dataset: str, rows: list[dict[str, Any]]
+) -> tuple[pa.Table, list[tuple[dict[str, Any], str]]]:
+    """Rows → a table of the dataset's schema, plus the rows that cannot be in it and why.
+
+    One bad row (a string where an int belongs, a missing required id) must not hold every other row
+    hostage, so on failure rows are converted one by one and the bad ones returned for the
+    dead-letter file. ``from_pylist`` does not enforce non-nullable fields; we do, because the Parquet
+    writer would reject the whole table later.
+    """
+    schema = SCHEMAS[dataset]
+    try:
+        table = pa.Table.from_pylist(rows, schema=schema)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        good, rejected, parts = [], [], []
+        for row in rows:
+            try:
+                parts.append(pa.Table.from_pylist([row], schema=schema))
+                good.append(row)
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                rejected.append((row, f"{type(exc).__name__}: {exc}"))
+        table = pa.concat_tables(parts) if parts else schema.empty_table()
+    else:
+        rejected = []
+    required = [f.name for f in schema if not f.nullable and table.column(f.name).null_count]
+    if required:
+        missing = pc.is_null(table.column(required[0]))
+        for name in required[1:]:
+            missing = pc.or_(missing, pc.is_null(table.column(name)))
+        for i in pc.indices_nonzero(missing).to_pylist():
+            row = table.slice(i, 1).to_pylist()[0]
+            absent = [n for n in required if row.get(n) is None]
+            rejected.append((row, f"required column(s) {', '.join(absent)} missing"))
+        table = table.filter(pc.invert(missing))
+    return table, rejected
+
+
+def split_by_date(dataset: str, table: pa.Table, now: _dt.datetime) -> list[tuple[str, pa.Table]]:
+    """(``YYYY-MM-DD``, rows of that UTC day) for each day present, in first-seen order."""
+    if table.num_rows == 0:
+        return []
+    days = None
+    for name in PARTITION_COLUMNS[dataset]:
+        col = pc.cast(table.column(name), pa.date32())
+        days = col if days is None else pc.coalesce(days, col)
+    fallback = pa.scalar(now.date(), pa.date32())
+    days = pc.fill_null(days, fallback) if days is not None else pa.repeat(fallback, table.num_rows)
+    unique = pc.unique(days)
+    if len(unique) == 1:
+        return [(unique[0].as_py().isoformat(), table)]
+    return [(day.as_py().isoformat(), table.filter(pc.equal(days, day))) for day in unique]
+
+
+def row_group_rows(table: pa.Table) -> int:
+    per_row = max(1, table.nbytes // max(1, table.num_rows))
+    return int(max(1, min(ROW_GROUP_MAX_ROWS, ROW_GROUP_TARGET_BYTES // per_row)))
+
+
+def _statistics_columns(schema: pa.Schema) -> list[str]:
+    # Min/max statistics let readers skip row groups by rollout, time or status. On JSON blobs and
+    # token lists they are useless and would copy whole request bodies into the footer.
+    return [
+        f.name
+        for f in schema
+        if not pa.types.is_list(f.type) and not f.name.endswith("_json") and f.name != "error"
+    ]
+
+
+_STATS = {name: _statistics_columns(schema) for name, schema in SCHEMAS.items()}
+
+
+def shard_name(now: _dt.datetime, proxy_id: str, segment: int) -> str:
+    return f"part-{now.strftime('%Y%m%dT%H%M%S%fZ')}-{proxy_id}-{segment:08d}.parquet"
+
+
+class ShardWriter:
+    """Writes one dataset's rows as durable shards at a Location."""
+
+    def __init__(self, location: Location, proxy_id: str) -> None:
+        self.location = location
+        self.proxy_id = proxy_id
+        self._dirs: set[str] = set()
+
+    def write(self, dataset: str, table: pa.Table, segment: int, segments: list[int]) -> list[str]:
+        """Write ``table`` (already of the dataset's schema) as one shard per day; returns paths.
+
+        Raises on any failure; files of days written before the failure stay (they are complete), and
+        the retry writes those rows again — readers dedupe by key, so that costs space, not truth.
+        """
+        now = _dt.datetime.now(_dt.UTC)
+        metadata = {
+            b"schema_version": str(SCHEMA_VERSION).encode(),
+            b"producer": PRODUCER.encode(),
+            b"polar_dataset": dataset.encode(),
+            b"polar_proxy_id": self.proxy_id.encode(),
+            b"polar_segments": ",".join(str(n) for n in sorted(set(segments))).encode(),
+        }
+        paths = []
+        for day, part in split_by_date(dataset, table, now):
+            part = part.replace_schema_metadata(metadata)
+            directory = self._join(self.location.dataset_dir(dataset), f"date={day}")
+            name = shard_name(now, self.proxy_id, segment)
+            if self.location.local:
+                paths.append(self._write_local(directory, name, part, dataset))
+            else:
+                paths.append(self._write_remote(directory, name, part, dataset))
+        return paths
+
+    def _join(self, *parts: str) -> str:
+        return os.path.join(*parts) if self.location.local else posixpath.join(*parts)
+
+    def _options(self, dataset: str, table: pa.Table) -> dict[str, Any]:
+        return {
+            "compression": "zstd",
+            "row_group_size": row_group_rows(table),
+            "write_statistics": _STATS[dataset],
+            # Dictionary pages pay off on repeated strings (rollout ids, models, status), not on
+            # token ids and JSON, where they cost time and a fallback to plain anyway.
+            "use_dictionary": [
+                f.name
+                for f in table.schema
+                if pa.types.is_string(f.type) and not f.name.endswith("_json")
+            ],
+        }
+
+    def _ensure_local_dir(self, directory: str) -> None:
+        if directory in self._dirs:
+            return
+        created = []
+        d = directory
+        while not os.path.isdir(d):
+            created.append(d)
+            d = os.path.dirname(d)
+        os.makedirs(directory, exist_ok=True)
+        for c in created:  # make each new directory entry durable in its parent
+            fsync_dir(os.path.dirname(c))
+        self._dirs.add(directory)
+
+    def _write_local(self, directory: str, name: str, table: pa.Table, dataset: str) -> str:
+        self._ensure_local_dir(directory)
+        final = os.path.join(directory, name)
+        tmp = os.path.join(directory, "." + name + TMP_SUFFIX)
+        try:
+            pq.write_table(table, tmp, **self._options(dataset, table))
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        fsync_dir(directory)
+        return final
+
+    def _write_remote(self, directory: str, name: str, table: pa.Table, dataset: str) -> str:
+        fs = self.location.fs
+        if directory not in self._dirs:
+            fs.create_dir(directory, recursive=True)
+            self._dirs.add(directory)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, **self._options(dataset, table))
+        data = sink.getvalue()
+        final = posixpath.join(directory, name)
+        try:
+            with fs.open_output_stream(final) as out:
+                out.write(data)
+        except BaseException:
+            try:
+                fs.delete_file(final)
+            except Exception:
+                pass
+            raise
+        return final
+
+
+def cleanup_temp_files(
+    location: Location, proxy_id: str, stale_s: float = STALE_TMP_S
+) -> list[str]:
+    """Remove temp shards a crash left behind: this proxy's of any age, other proxies' once stale.
+
+    Only local output has temp files (remote shards are single uploads). Another live proxy sharing
+    the directory may be writing its own temp file right now, hence the age rule for theirs.
+    """
+    if not location.local:
+        return []
+    removed = []
+    now = time.time()
+    for dataset in SCHEMAS:
+        top = location.dataset_dir(dataset)
+        for dirpath, _dirs, files in os.walk(top):
+            for name in files:
+                if not name.endswith(TMP_SUFFIX):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    mine = f"-{proxy_id}-" in name
+                    if mine or now - os.stat(path).st_mtime > stale_s:
+                        os.unlink(path)
+                        removed.append(path)
+                except FileNotFoundError:
+                    continue
+    return removed

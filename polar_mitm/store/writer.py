@@ -1,0 +1,699 @@
+"""The Store: rows in from the proxy's event loop, durable journal, Parquet shards out.
+
+Two background threads, so that neither the caller nor capture durability waits on uploads:
+
+- the *journal thread* drains the append queue, encodes a batch, writes it to the current segment
+  and fsyncs once (group commit); only then do the rows count as journaled (`sync()` returns);
+- the *shard thread* converts journaled rows to Arrow as they arrive (so the Python objects are
+  short-lived and a flush is mostly Parquet encoding), and when a dataset passes ``flush_rows`` /
+  ``flush_bytes`` / ``flush_age_s`` (or on `flush()` / `close()`) rotates the segment, writes that
+  dataset's rows as shards, records ``(segment, dataset)`` in the manifest, and deletes segments all
+  of whose rows are in shards. A failed write (output unreachable) puts the rows back, records
+  ``stats["last_error"]`` and retries with exponential backoff; the journal keeps them meanwhile.
+
+Both threads share one lock for the segment writer and the pending rows: a batch is written and its
+rows registered atomically with respect to a rotation, so a rotation never closes a segment whose
+rows are not yet pending (which would let the manifest claim rows that no shard holds).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import re
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from .journal import (
+    DirectoryLock,
+    Manifest,
+    SegmentWriter,
+    append_rejected,
+    encode_record,
+    frame,
+    fsync_dir,
+    list_segments,
+    segment_name,
+)
+from .recovery import RecoveryReport, scan_journal
+from .schema import SCHEMAS
+from .shards import ShardWriter, cleanup_temp_files, resolve_output, to_table
+
+log = logging.getLogger(__name__)
+
+PROXY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+PROXY_ID_FILE = "proxy_id"
+
+# Journal batches: big enough that one fsync covers a burst, small enough to bound one write.
+BATCH_MAX_ROWS = 4096
+BATCH_MAX_BYTES = 32 << 20
+# Journaled rows are converted to Arrow once this many are waiting (and always before a flush).
+CONVERT_ROWS = 256
+CONVERT_BYTES = 4 << 20
+# Retry delays after a failed journal write / shard write.
+JOURNAL_BACKOFF = (0.05, 5.0)
+SHARD_BACKOFF = (0.5, 30.0)
+# Rewrite the manifest without lines of deleted segments once it has this many.
+MANIFEST_COMPACT_LINES = 10_000
+DEFAULT_CLOSE_TIMEOUT = 60.0
+
+
+@dataclass
+class _Pending:
+    """One dataset's journaled rows that are not in shards yet, oldest first."""
+
+    tables: list[pa.Table] = field(default_factory=list)  # converted
+    rows: list[dict[str, Any]] = field(default_factory=list)  # not yet converted (newer)
+    rows_bytes: int = 0
+    rejected: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    segs: Counter[int] = field(default_factory=Counter)  # segment -> rows from it
+    count: int = 0
+    nbytes: int = 0  # journal payload bytes
+    oldest: float | None = None  # monotonic time the oldest row was journaled
+
+    def add(self, row: dict[str, Any], seg: int, size: int, now: float) -> None:
+        self.rows.append(row)
+        self.rows_bytes += size
+        self.segs[seg] += 1
+        self.count += 1
+        self.nbytes += size
+        if self.oldest is None:
+            self.oldest = now
+
+    def then(self, later: _Pending) -> _Pending:
+        """This (older) pending followed by ``later``: used to put back rows whose write failed."""
+        merged = _Pending(
+            tables=self.tables + later.tables,
+            rows=self.rows + later.rows,
+            rows_bytes=self.rows_bytes + later.rows_bytes,
+            rejected=self.rejected + later.rejected,
+            segs=self.segs + later.segs,
+            count=self.count + later.count,
+            nbytes=self.nbytes + later.nbytes,
+        )
+        olds = [t for t in (self.oldest, later.oldest) if t is not None]
+        merged.oldest = min(olds) if olds else None
+        return merged
+
+
+def _new_proxy_id() -> str:
+    return secrets.token_hex(4)
+
+
+class Store:
+    """Durable capture store; see the module docstring and DESIGN.md "Records (Parquet)".
+
+    ``output`` is a local path or a pyarrow filesystem URI (``s3://bucket/prefix?endpoint_override=…``);
+    ``filesystem`` may be given instead of a URI scheme (then ``output`` is the path inside it).
+    The journal is always local: with remote output ``journal_dir`` is required.
+    """
+
+    def __init__(
+        self,
+        output: str | os.PathLike[str] = "./polar-data",
+        journal_dir: str | os.PathLike[str] | None = None,
+        proxy_id: str | None = None,
+        flush_rows: int = 512,
+        flush_bytes: int = 64 << 20,
+        flush_age_s: float = 30.0,
+        *,
+        filesystem: Any = None,
+    ) -> None:
+        self.location = resolve_output(output, filesystem)
+        if journal_dir is None:
+            if not self.location.local:
+                raise ValueError(
+                    f"output {os.fspath(output)!r} is remote: give a local journal_dir "
+                    "(rows are fsynced there before they are uploaded)"
+                )
+            journal_dir = os.path.join(self.location.root, "_journal")
+        journal_dir = os.fspath(journal_dir)
+        if "://" in journal_dir:
+            raise ValueError(f"journal_dir {journal_dir!r} must be a local directory")
+        self.journal_dir = os.path.abspath(journal_dir)
+        if flush_rows < 1 or flush_bytes < 1 or not flush_age_s > 0:
+            raise ValueError("flush_rows, flush_bytes and flush_age_s must be positive")
+        self.flush_rows, self.flush_bytes, self.flush_age_s = flush_rows, flush_bytes, flush_age_s
+        self._proxy_id_generated = proxy_id is None
+        if proxy_id is None:
+            proxy_id = self._load_proxy_id() or _new_proxy_id()
+        elif not PROXY_ID_RE.match(proxy_id):
+            raise ValueError(f"proxy_id {proxy_id!r}: use 1-64 of [A-Za-z0-9._-]")
+        self.proxy_id = proxy_id
+
+        self._queue: queue.SimpleQueue[tuple[int, str, dict[str, Any]]] = queue.SimpleQueue()
+        self._append_lock = threading.Lock()  # orders seq numbers with queue order
+        self._seq = 0
+        self._accepting = True
+        self._drop_lock = threading.Lock()
+
+        self._lock = threading.Lock()  # segment writer, pending rows, counters below
+        self._progress = threading.Condition(self._lock)
+        self._journal: SegmentWriter | None = None
+        self._manifest = Manifest(self.journal_dir)
+        self._committed_live: set[tuple[int, str]] = set()
+        self._pending = {d: _Pending() for d in SCHEMAS}
+        self._outstanding: Counter[int] = Counter()
+        self._journaled_seq = 0
+        self._flushed_seq = 0
+        self._flush_target = 0
+        self._flush_now = False
+        self._shard_retry_at = 0.0
+        self._shard_delay = SHARD_BACKOFF[0]
+        self._unknown_columns: set[tuple[str, str]] = set()
+
+        self._shards = ShardWriter(self.location, self.proxy_id)
+        self._dirlock = DirectoryLock(self.journal_dir)
+        self._state = "new"  # new -> running -> closed
+        self._close_lock = threading.Lock()
+        self._wake = threading.Event()  # wakes the shard thread
+        self._stop_journal = threading.Event()
+        self._stop_shards = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._stats: dict[str, Any] = dict.fromkeys(
+            (
+                "appended",
+                "journaled",
+                "dropped",
+                "rejected",
+                "fsyncs",
+                "journal_bytes",
+                "journal_failures",
+                "shards_written",
+                "rows_in_shards",
+                "shard_failures",
+                "segments_deleted",
+                "recovered_rows",
+            ),
+            0,
+        )
+        self._stats.update(last_error=None, last_error_at=None, last_shard=None)
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def start(self) -> RecoveryReport:
+        """Recover what a previous run left, then start the writer threads.
+
+        Raises only for start-up problems the operator must fix (journal dir not writable, or in
+        use by another store). An unreachable output is not one: the recovered rows stay in the
+        journal, ``report.error`` says why, and the shard thread keeps retrying.
+        """
+        with self._close_lock:
+            if self._state != "new":
+                raise RuntimeError("Store.start() called twice")
+            os.makedirs(self.journal_dir, exist_ok=True)
+            self._dirlock.acquire()
+            try:
+                if self._proxy_id_generated and self._load_proxy_id() is None:
+                    self._save_proxy_id()
+                report = self._recover()
+            except BaseException:
+                self._dirlock.release()
+                raise
+            self._threads = [
+                threading.Thread(
+                    target=self._journal_loop, name="polar-store-journal", daemon=True
+                ),
+                threading.Thread(target=self._shard_loop, name="polar-store-shards", daemon=True),
+            ]
+            for t in self._threads:
+                t.start()
+            self._state = "running"
+            atexit.register(self.close)
+        if not report.clean:
+            (log.warning if report.error or report.damaged else log.info)("%s", report)
+        return report
+
+    def append(self, dataset: str, row: dict[str, Any]) -> None:
+        """Queue a row; never blocks on I/O and never raises.
+
+        ``row`` is keyed by schema column names (missing = null; timestamps as int microseconds
+        since the epoch, UTC). The store takes ownership: do not mutate the dict afterwards.
+        """
+        try:
+            if dataset not in SCHEMAS:
+                self._drop(f"unknown dataset {dataset!r}")
+                return
+            if not isinstance(row, dict):
+                self._drop(f"{dataset} row is a {type(row).__name__}, not a dict")
+                return
+            with self._append_lock:
+                if not self._accepting:
+                    self._drop("store is closed")
+                    return
+                self._seq += 1
+                self._queue.put((self._seq, dataset, row))
+                self._stats["appended"] += 1
+        except Exception as exc:  # pragma: no cover - defensive: append must never raise
+            log.error("polar store: append failed: %s", exc)
+
+    def sync(self, timeout: float | None = None) -> bool:
+        """Block until every row appended so far is fsynced in the journal; False on timeout."""
+        target = self._seq
+        with self._progress:
+            return (
+                self._progress.wait_for(
+                    lambda: self._journaled_seq >= target or self._state != "running", timeout
+                )
+                and self._journaled_seq >= target
+            )
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every row appended so far is in durable shards; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        target = self._seq
+        if not self.sync(timeout):
+            return False
+        with self._progress:
+            self._flush_target = max(self._flush_target, target)
+            self._flush_now = True
+        self._wake.set()
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with self._progress:
+            return (
+                self._progress.wait_for(
+                    lambda: self._flushed_seq >= target or self._state != "running", remaining
+                )
+                and self._flushed_seq >= target
+            )
+
+    def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT) -> None:
+        """Flush, stop the threads, release the journal. Idempotent; safe from atexit.
+
+        Rows that cannot reach shards within ``timeout`` (output unreachable) stay in the journal and
+        are recovered by the next `start()` or ``polar-mitm recover``: nothing is lost by giving up.
+        """
+        with self._close_lock:
+            if self._state != "running":
+                with self._append_lock:
+                    self._accepting = False
+                self._state = "closed"
+                return
+            deadline = None if timeout is None else time.monotonic() + timeout
+
+            def left() -> float | None:
+                return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+            flushed = self.flush(left())
+            with self._append_lock:
+                self._accepting = False
+            target = self._seq
+            self._stop_journal.set()
+            self._threads[0].join(left())
+            if flushed and target > self._flushed_seq:  # rows appended while closing
+                flushed = self.flush(left())
+            self._stop_shards.set()
+            self._wake.set()
+            self._threads[1].join(left())
+            with self._progress:
+                self._state = "closed"
+                if self._journal is not None:
+                    self._journal.close()
+                leftover = sum(p.count for p in self._pending.values()) + self._queue.qsize()
+                self._progress.notify_all()
+            if self._threads[0].is_alive() or self._threads[1].is_alive():
+                log.warning("polar store: writer threads did not stop within the close timeout")
+            elif leftover == 0 and not list_segments(self.journal_dir):
+                try:
+                    self._manifest.rewrite([])
+                except OSError as exc:
+                    log.warning("polar store: could not clear the manifest: %s", exc)
+            if leftover:
+                log.warning(
+                    "polar store: %d row(s) are not in shards yet (%s); they are safe in %s and "
+                    "will be written by the next start or `polar-mitm recover`",
+                    leftover,
+                    self._stats["last_error"] or "close timeout",
+                    self.journal_dir,
+                )
+            self._dirlock.release()
+            atexit.unregister(self.close)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the counters (plus ``queued`` and ``pending_rows`` right now).
+
+        Lock-free on purpose: the proxy's event loop may read it while the journal thread holds
+        the lock across an fsync.
+        """
+        out = dict(self._stats)
+        out["pending_rows"] = sum(p.count for p in list(self._pending.values()))
+        out["fsyncs"] = self._journal.fsyncs if self._journal is not None else 0
+        out["queued"] = self._queue.qsize()
+        return out
+
+    def __enter__(self) -> Store:
+        if self._state == "new":
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def _load_proxy_id(self) -> str | None:
+        try:
+            with open(os.path.join(self.journal_dir, PROXY_ID_FILE), encoding="utf-8") as f:
+                value = f.read().strip()
+        except OSError:
+            return None
+        return value if PROXY_ID_RE.match(value) else None
+
+    def _save_proxy_id(self) -> None:
+        # A stable id across restarts lets recovery recognise this proxy's own temp files.
+        path = os.path.join(self.journal_dir, PROXY_ID_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(self.proxy_id + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        fsync_dir(self.journal_dir)
+
+    def _recover(self) -> RecoveryReport:
+        report = RecoveryReport(self.journal_dir)
+        try:
+            report.temp_files_removed = cleanup_temp_files(self.location, self.proxy_id)
+        except OSError as exc:
+            log.warning("polar store: could not clean temp shards: %s", exc)
+        committed = self._manifest.load()
+        scan = scan_journal(self.journal_dir, committed, report)
+        highest = max([n for n, _ in committed] + scan.segments, default=0)
+        self._journal = SegmentWriter(self.journal_dir, highest + 1)
+        now = time.monotonic()
+        for dataset, rows in scan.rows.items():
+            for seg, row in rows:
+                self._pending[dataset].add(row, seg, 0, now)
+                self._outstanding[seg] += 1
+        live = set(scan.segments)
+        self._committed_live = {(n, d) for n, d in committed if n in live}
+        self._delete_segments([n for n in scan.segments if self._outstanding[n] == 0])
+        fsync_dir(self.journal_dir)
+        self._manifest.rewrite(self._committed_live)
+        recovered = report.recovered_rows
+        self._stats["recovered_rows"] = recovered
+        if recovered:
+            self._flushed_seq = -1  # flush() and close() wait for the recovered rows too
+            self._flush_target = 0
+            paths, error = self._shard_round(list(SCHEMAS), full=True)
+            report.shards = paths
+            report.error = error
+        return report
+
+    # -- journal thread ---------------------------------------------------------------------------
+
+    def _journal_loop(self) -> None:
+        batch: tuple[list[bytes], list[tuple[str, dict[str, Any], int]], int] | None = None
+        delay = JOURNAL_BACKOFF[0]
+        while True:
+            try:
+                if batch is None:
+                    batch = self._next_batch()
+                    if batch is None:
+                        if self._stop_journal.is_set() and self._queue.empty():
+                            return
+                        continue
+                self._write_batch(*batch)
+                batch = None
+                delay = JOURNAL_BACKOFF[0]
+            except Exception as exc:
+                self._error("journal write failed (rows kept in memory, retrying)", exc)
+                self._stats["journal_failures"] += 1
+                self._cleanup_abandoned()
+                self._stop_shards.wait(delay)  # only a hard stop cuts the backoff short
+                delay = min(delay * 2, JOURNAL_BACKOFF[1])
+                if self._stop_shards.is_set():
+                    return
+
+    def _next_batch(self) -> tuple[list[bytes], list[tuple[str, dict[str, Any], int]], int] | None:
+        try:
+            item = self._queue.get(timeout=0.2)
+        except queue.Empty:
+            return None
+        frames: list[bytes] = []
+        regs: list[tuple[str, dict[str, Any], int]] = []
+        size = 0
+        last_seq = item[0]
+        while True:
+            seq, dataset, row = item
+            last_seq = seq
+            try:
+                payload = encode_record(dataset, row)
+            except Exception as exc:
+                self._drop(f"{dataset} row cannot be encoded ({exc})")
+            else:
+                frames.append(frame(payload))
+                regs.append((dataset, row, len(payload)))
+                size += len(payload)
+            if len(frames) >= BATCH_MAX_ROWS or size >= BATCH_MAX_BYTES:
+                break
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+        return frames, regs, last_seq
+
+    def _write_batch(
+        self, frames: list[bytes], regs: list[tuple[str, dict[str, Any], int]], last_seq: int
+    ) -> None:
+        assert self._journal is not None
+        with self._progress:
+            if frames:
+                seg = self._journal.write_batch(frames)
+                now = time.monotonic()
+                for dataset, row, size in regs:
+                    self._pending[dataset].add(row, seg, size, now)
+                self._outstanding[seg] += len(regs)
+                self._stats["journaled"] += len(regs)
+                self._stats["journal_bytes"] += sum(len(f) for f in frames)
+            self._journaled_seq = last_seq
+            self._progress.notify_all()
+        self._wake.set()
+
+    def _cleanup_abandoned(self) -> None:
+        """After a failed write the segment was abandoned; if it holds no registered rows, its
+        content is being retried elsewhere and the file can go."""
+        with self._lock:
+            if self._journal is None:
+                return
+            stale = [
+                n
+                for n, _ in list_segments(self.journal_dir)
+                if n < self._journal.number
+                and self._outstanding[n] == 0
+                and not any(k == n for k, _ in self._committed_live)
+            ]
+        self._delete_segments(stale, quiet=True)
+
+    # -- shard thread -----------------------------------------------------------------------------
+
+    def _shard_loop(self) -> None:
+        while not self._stop_shards.is_set():
+            try:
+                self._wake.wait(self._next_deadline())
+                self._wake.clear()
+                if self._stop_shards.is_set():
+                    return
+                self._convert(force=False)
+                due, full = self._due()
+                if due:
+                    self._shard_round(due, full)
+            except Exception as exc:  # a bug here must not silently end shard writing
+                log.exception("polar store: shard thread error")
+                self._error("shard thread error", exc)
+                self._stop_shards.wait(1.0)
+
+    def _next_deadline(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            waits = [1.0]
+            for p in self._pending.values():
+                if p.oldest is not None:
+                    waits.append(p.oldest + self.flush_age_s - now)
+            if self._shard_retry_at > now:
+                waits = [max(w, self._shard_retry_at - now) for w in waits]
+        return max(0.01, min(waits))
+
+    def _due(self) -> tuple[list[str], bool]:
+        with self._lock:
+            now = time.monotonic()
+            forced = self._flush_target > self._flushed_seq or self._flushed_seq < 0
+            if now < self._shard_retry_at and not self._flush_now:
+                return [], False
+            if forced:
+                self._flush_now = False
+                return list(SCHEMAS), True
+            due = [
+                d
+                for d, p in self._pending.items()
+                if p.count
+                and (
+                    p.count >= self.flush_rows
+                    or p.nbytes >= self.flush_bytes
+                    or (p.oldest is not None and now - p.oldest >= self.flush_age_s)
+                )
+            ]
+            return due, False
+
+    def _convert(self, force: bool) -> None:
+        """Turn waiting rows into Arrow tables (outside the lock; only this thread converts)."""
+        for dataset, p in self._pending.items():
+            with self._lock:
+                if not p.rows or not (
+                    force or len(p.rows) >= CONVERT_ROWS or p.rows_bytes >= CONVERT_BYTES
+                ):
+                    continue
+                rows, p.rows, p.rows_bytes = p.rows, [], 0
+            table, rejected = self._to_table(dataset, rows)
+            with self._lock:
+                # rows added meanwhile are newer than ``rows``, so the converted table goes last
+                p.tables.append(table)
+                p.rejected.extend(rejected)
+
+    def _to_table(
+        self, dataset: str, rows: list[dict[str, Any]]
+    ) -> tuple[pa.Table, list[tuple[dict[str, Any], str]]]:
+        names = SCHEMAS[dataset].names
+        known = set(names)
+        for row in rows:
+            extra = row.keys() - known
+            for key in extra:
+                if (dataset, key) not in self._unknown_columns:
+                    self._unknown_columns.add((dataset, key))
+                    log.warning(
+                        "polar store: %s rows have a column %r that is not in the schema; "
+                        "it is not stored",
+                        dataset,
+                        key,
+                    )
+        table, rejected = to_table(dataset, rows)
+        for _row, reason in rejected:
+            log.error(
+                "polar store: a %s row cannot be stored (%s); kept in %s/rejected.log",
+                dataset,
+                reason,
+                self.journal_dir,
+            )
+        return table, rejected
+
+    def _shard_round(self, datasets: list[str], full: bool) -> tuple[list[str], str | None]:
+        """Write the pending rows of ``datasets`` as shards; returns (paths, first error)."""
+        assert self._journal is not None
+        with self._lock:
+            self._journal.rotate()
+            taken = {}
+            for d in datasets:
+                if self._pending[d].count:
+                    taken[d], self._pending[d] = self._pending[d], _Pending()
+            seq_mark = self._journaled_seq
+        paths: list[str] = []
+        error = None
+        for dataset, p in taken.items():
+            try:
+                paths += self._commit(dataset, p)
+            except Exception as exc:
+                error = error or f"{type(exc).__name__}: {exc}"
+                self._error(
+                    f"writing {dataset} shards failed (rows kept in the journal, retrying)", exc
+                )
+                with self._lock:
+                    self._pending[dataset] = p.then(self._pending[dataset])
+                    self._stats["shard_failures"] += 1
+        with self._progress:
+            now = time.monotonic()
+            if error:
+                self._shard_retry_at = now + self._shard_delay
+                self._shard_delay = min(self._shard_delay * 2, SHARD_BACKOFF[1])
+            else:
+                self._shard_retry_at = 0.0
+                self._shard_delay = SHARD_BACKOFF[0]
+                if full:
+                    self._flushed_seq = max(self._flushed_seq, seq_mark)
+                if not any(p.count for p in self._pending.values()):
+                    self._flushed_seq = max(self._flushed_seq, self._journaled_seq)
+            self._progress.notify_all()
+        return paths, error
+
+    def _commit(self, dataset: str, p: _Pending) -> list[str]:
+        """Shards first, then the manifest, then segment deletion: each step durable before the
+        next, so a crash between any two writes rows again at worst, never loses them."""
+        if p.rows:
+            table, rejected = self._to_table(dataset, p.rows)
+            p.tables.append(table)
+            p.rejected.extend(rejected)
+            p.rows, p.rows_bytes = [], 0
+        schema = SCHEMAS[dataset]
+        table = pa.concat_tables(p.tables) if p.tables else schema.empty_table()
+        if len(p.tables) > 1:
+            table = table.combine_chunks()
+            p.tables = [table]
+        paths = []
+        if table.num_rows:
+            paths = self._shards.write(dataset, table, segment=max(p.segs), segments=list(p.segs))
+            p.tables = []  # written: a later failure must not write them again
+            with self._lock:
+                self._stats["shards_written"] += len(paths)
+                self._stats["rows_in_shards"] += table.num_rows
+                self._stats["last_shard"] = paths[-1] if paths else self._stats["last_shard"]
+        if p.rejected:
+            append_rejected(self.journal_dir, (encode_record(dataset, r) for r, _ in p.rejected))
+            with self._lock:
+                self._stats["rejected"] += len(p.rejected)
+            p.rejected = []
+        entries = [(n, dataset) for n in p.segs]
+        self._manifest.append(entries)
+        with self._lock:
+            self._committed_live.update(entries)
+            assert self._journal is not None
+            done = []
+            for n, c in p.segs.items():
+                self._outstanding[n] -= c
+                if self._outstanding[n] <= 0 and n < self._journal.number:
+                    del self._outstanding[n]
+                    done.append(n)
+        self._delete_segments(done)
+        if self._manifest.lines > MANIFEST_COMPACT_LINES:
+            fsync_dir(self.journal_dir)
+            with self._lock:
+                keep = set(self._committed_live)
+            self._manifest.rewrite(keep)
+        return paths
+
+    def _delete_segments(self, numbers: list[int], quiet: bool = False) -> None:
+        for n in numbers:
+            try:
+                os.unlink(os.path.join(self.journal_dir, segment_name(n)))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if not quiet:
+                    log.warning("polar store: could not delete journal segment %d: %s", n, exc)
+                continue
+            with self._lock:
+                self._stats["segments_deleted"] += 1
+                self._committed_live = {(k, d) for k, d in self._committed_live if k != n}
+
+    # -- errors -----------------------------------------------------------------------------------
+
+    def _error(self, what: str, exc: BaseException) -> None:
+        message = f"{what}: {type(exc).__name__}: {exc}"
+        log.error("polar store: %s", message)
+        self._stats["last_error"] = message
+        self._stats["last_error_at"] = time.time()
+
+    def _drop(self, why: str) -> None:
+        """Count and log a row that can never be stored (the caller's bug, or append after close);
+        the log is rate-limited so a bug in a hot path cannot flood it."""
+        with self._drop_lock:
+            self._stats["dropped"] += 1
+            n = self._stats["dropped"]
+        if n <= 10 or n % 1000 == 0:
+            log.error("polar store: row dropped (%d so far): %s", n, why)
