@@ -1,0 +1,132 @@
+"""What the reference server "samples" for a request: prompt ids, output ids, logprobs, finish reason.
+
+Kind-neutral: the same :class:`Sample` feeds the vLLM wire today and an SGLang wire later. Building it
+is the expensive part of a request (chat template + tokenization), so the server runs :func:`sample`
+in a worker thread and the renderer caches the tokenizer work.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from .render import Renderer, RequestError
+from .scenario import Scenario, Turn
+from .wire import ChatCall
+
+_MASK64 = (1 << 64) - 1
+
+
+def fake_logprob(position: int, token_id: int) -> float:
+    """A deterministic pseudo-random logprob in [-4, 0) for the token sampled at ``position``.
+
+    splitmix64 of (position, token id), rounded to float32 like vLLM's tensors, so the same request
+    always gets the same numbers and a float32 column stores them exactly.
+    """
+    x = ((position << 32) ^ token_id) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    u = (x >> 11) / float(1 << 53)  # [0, 1)
+    value = struct.unpack("f", struct.pack("f", -4.0 * (1.0 - u)))[0]
+    return value if value < 0.0 else -1e-7  # float32 rounding must not reach 0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated choice. ``ids`` include the EOS token when ``finish_reason == "stop"``.
+
+    ``finish_override`` is the scenario's ``finish_reason`` knob: the wire reports it instead of what
+    it would have computed (``stop``/``length``/``tool_calls``).
+    """
+
+    prompt_ids: tuple[int, ...]
+    ids: tuple[int, ...]
+    pieces: tuple[str, ...]
+    token_strs: tuple[str, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    stop_reason: int | str | None
+    finish_override: str | None
+    reasoning_open: bool | None
+    think_ids: tuple[int | None, int | None]
+    turn: Turn
+    script: str
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def _system_and_first_user(messages: list[dict]) -> tuple[str, str]:
+    system = "\n".join(m["content"] for m in messages if m["role"] in ("system", "developer"))
+    first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
+    return system, first_user
+
+
+def _tool_names(call: ChatCall) -> list[str]:
+    return [t["function"]["name"] for t in call.render.tools or ()]
+
+
+def pick_turn(scenario: Scenario, call: ChatCall) -> tuple[str, Turn]:
+    """The scripted turn for this request (stateless: turn index = assistant messages so far)."""
+    messages = call.render.messages
+    system, first_user = _system_and_first_user(messages)
+    assistant_turns = sum(1 for m in messages if m["role"] == "assistant")
+    try:
+        script, turn = scenario.turn(system, first_user, _tool_names(call), assistant_turns)
+    except LookupError as e:
+        raise RequestError(str(e)) from None
+    return script.name, turn
+
+
+def sample(renderer: Renderer, scenario: Scenario, call: ChatCall, max_model_len: int) -> Sample:
+    """Render the prompt, pick the scripted turn, tokenize it and apply the length limits.
+
+    Raises :class:`RequestError` for requests vLLM refuses (prompt or ``max_tokens`` beyond
+    ``max_model_len``, ``max_tokens < 1``).
+    """
+    prompt = renderer.prompt(call.render)
+    n_prompt = len(prompt.ids)
+    if n_prompt >= max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{n_prompt} input tokens. Please reduce the length of the input messages. "
+            f"(parameter=input_tokens, value={n_prompt})",
+            param="input_tokens",
+        )
+    limit = max_model_len - n_prompt
+    if call.max_tokens is not None:
+        if call.max_tokens < 1:
+            raise RequestError(
+                f"max_tokens must be at least 1, got {call.max_tokens}.", param="max_tokens"
+            )
+        if call.max_tokens > limit:
+            raise RequestError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {call.max_tokens}. This model's "
+                f"maximum context length is {max_model_len} tokens and your request has {n_prompt} input "
+                f"tokens ({call.max_tokens} > {max_model_len} - {n_prompt}). "
+                f"(parameter=max_tokens, value={call.max_tokens})",
+                param="max_tokens",
+            )
+        limit = call.max_tokens
+    script, turn = pick_turn(scenario, call)
+    completion = renderer.completion(call.render, turn)
+    n = min(len(completion.ids), limit)
+    finish = "stop" if n == len(completion.ids) else "length"
+    ids = completion.ids[:n]
+    return Sample(
+        prompt_ids=prompt.ids,
+        ids=ids,
+        pieces=completion.pieces[:n],
+        token_strs=completion.token_strs[:n],
+        logprobs=tuple(fake_logprob(i, t) for i, t in enumerate(ids)),
+        finish_reason=finish,
+        stop_reason=None,
+        finish_override=turn.finish_reason,
+        reasoning_open=renderer.reasoning_open_at_end(prompt.ids),
+        think_ids=(renderer.think_start_id, renderer.think_end_id),
+        turn=turn,
+        script=script,
+    )

@@ -1,0 +1,349 @@
+"""The reference policy server: an aiohttp app speaking a policy server's wire format.
+
+Endpoints (vLLM kind):
+
+* ``POST /v1/chat/completions`` — scripted turns, streaming or not, with real token ids;
+* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``;
+* test control under ``/_polar/``: ``POST /_polar/release`` (let held last chunks go; answers
+  ``{"released": n}``), ``GET /_polar/requests`` (the last 100 requests to the API endpoints, newest
+  last, as ``{"method", "path", "query", "headers", "body", "raw"}``: ``body`` is the decoded JSON or
+  ``null``, ``raw`` the body text exactly as received), ``POST /_polar/reset`` (forget the log and let
+  every held stream go).
+
+Work per request: the chat template and tokenization run in a worker thread (``asyncio.to_thread``) so
+other streams keep flowing, and the wire kind turns the result into the exact bytes of every chunk
+before the first one is written; the send loop only paces and writes.
+
+Adding a wire kind is one module behind :class:`~polar_mitm.policy_server.wire.Wire`; adding an
+endpoint (e.g. a token-in ``/v1/completions``) is one module with an ``add_routes(app, server)`` passed
+as ``extra_routes`` to :meth:`PolicyServer.app`, reusing :meth:`PolicyServer.play`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from .faults import apply_fault
+from .generation import sample
+from .render import (
+    Renderer,
+    RenderInput,
+    RequestError,
+    normalize_messages,
+    normalize_tools,
+    template_kwargs,
+)
+from .scenario import Scenario
+from .wire import WIRE_KINDS, ChatCall, ReplyPlan, Wire, WireError
+
+log = logging.getLogger(__name__)
+
+HOLD_TIMEOUT_S = 30.0
+REQUEST_LOG_SIZE = 100
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the server needs; the CLI fills it from flags."""
+
+    scenario: Scenario
+    model: str | None = None  # served model name; default: the scenario's
+    tokenizer_dir: Path | None = None  # default: the bundled Qwen3 tokenizer
+    token_rate: float = 0.0  # tokens/s per stream; 0 = as fast as possible
+    chunk_tokens: int = 1
+    reasoning_field: str = "reasoning"
+    kind: str = "vllm"
+    max_model_len: int | None = None  # default: the tokenizer's model_max_length
+
+
+class Control:
+    """Test-control state: the request log and the streams holding their last chunk."""
+
+    def __init__(self) -> None:
+        self.requests: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_SIZE)
+        self._holds: set[asyncio.Event] = set()
+
+    def hold(self) -> asyncio.Event:
+        """Register a hold *before* the stream starts, so a release that races the stream still counts."""
+        event = asyncio.Event()
+        self._holds.add(event)
+        return event
+
+    async def wait(self, event: asyncio.Event) -> None:
+        try:
+            await asyncio.wait_for(event.wait(), HOLD_TIMEOUT_S)
+        except TimeoutError:
+            log.warning(
+                "held chunk released after %.0f s without POST /_polar/release", HOLD_TIMEOUT_S
+            )
+        finally:
+            self._holds.discard(event)
+
+    def forget(self, event: asyncio.Event) -> None:
+        self._holds.discard(event)
+
+    def release(self) -> int:
+        pending = [e for e in self._holds if not e.is_set()]
+        for event in pending:
+            event.set()
+        self._holds.clear()
+        return len(pending)
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.release()
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(),
+        status=status,
+        content_type="application/json",
+    )
+
+
+class PolicyServer:
+    """One served model playing one scenario."""
+
+    def __init__(self, config: ServerConfig, renderer: Renderer | None = None):
+        self.config = config
+        self.scenario = config.scenario
+        self.served_model = config.model or config.scenario.model
+        self.renderer = renderer or Renderer(config.tokenizer_dir)
+        self.max_model_len = config.max_model_len or self.renderer.max_model_len
+        factory = WIRE_KINDS.get(config.kind)
+        if factory is None:
+            raise ValueError(
+                f"unknown policy server kind {config.kind!r} (known: {', '.join(WIRE_KINDS)})"
+            )
+        self.wire: Wire = factory(
+            reasoning_field=config.reasoning_field, chunk_tokens=config.chunk_tokens
+        )
+        self.control = Control()
+        self.runner: web.AppRunner | None = None
+
+    # -- app ---------------------------------------------------------------------------------
+
+    def app(
+        self, extra_routes: Iterable[Callable[[web.Application, PolicyServer], None]] = ()
+    ) -> web.Application:
+        app = web.Application(
+            middlewares=[self._errors, self._record], client_max_size=256 * 1024**2
+        )
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/_polar/release", self.release)
+        app.router.add_get("/_polar/requests", self.requests)
+        app.router.add_post("/_polar/reset", self.reset)
+        for add_routes in extra_routes:
+            add_routes(app, self)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen and return the base URL (``port=0`` picks a free port)."""
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        bound_host, bound_port = self.runner.addresses[0][:2]
+        shown = host if host not in ("0.0.0.0", "::", "") else bound_host
+        if ":" in shown:
+            shown = f"[{shown}]"
+        return f"http://{shown}:{bound_port}"
+
+    async def stop(self) -> None:
+        self.control.release()
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    # -- middlewares -------------------------------------------------------------------------
+
+    @web.middleware
+    async def _record(self, request: web.Request, handler):
+        if not request.path.startswith("/_polar/") and request.path != "/health":
+            raw = await request.read()
+            try:
+                body = json.loads(raw) if raw else None
+            except (ValueError, UnicodeDecodeError):
+                body = None
+            self.control.requests.append(
+                {
+                    "method": request.method,
+                    "path": request.path,
+                    "query": dict(request.query),
+                    "headers": dict(request.headers),
+                    "body": body,
+                    "raw": raw.decode("utf-8", errors="replace"),
+                }
+            )
+        return await handler(request)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except WireError as e:
+            return _json(e.body, e.status)
+        except web.HTTPException as e:
+            if e.status in (404, 405):  # FastAPI's shape, as vLLM answers unknown routes
+                return _json({"detail": e.reason}, e.status)
+            raise
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            log.exception("internal error on %s", request.path)
+            return _json(self.wire.error(500, str(e), "InternalServerError"), 500)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        error = self.wire.invalid_json(raw)
+        if error is not None:
+            raise error
+        return json.loads(raw)
+
+    def _bad_request(self, e: RequestError) -> WireError:
+        return WireError(400, self.wire.error(400, str(e), "BadRequestError", e.param))
+
+    def plan(self, call: ChatCall) -> ReplyPlan:
+        """Generate and build the reply (blocking: run it in a thread)."""
+        result = sample(self.renderer, self.scenario, call, self.max_model_len)
+        plan = self.wire.chat_reply(call, result, self.served_model)
+        plan.hold = result.turn.hold_last
+        plan.delay_s = result.turn.delay_s
+        return apply_fault(result.turn.fault, plan)
+
+    async def play(self, request: web.Request, plan: ReplyPlan) -> web.StreamResponse:
+        """Send a plan: delay, pacing (``--token-rate``), the optional hold before the final event."""
+        held = self.control.hold() if plan.hold else None
+        try:
+            if plan.delay_s > 0:
+                await asyncio.sleep(plan.delay_s)
+            if not plan.stream:
+                if held is not None:
+                    await self.control.wait(held)
+                return web.Response(
+                    body=b"".join(plan.events),
+                    status=plan.status,
+                    headers={"Content-Type": plan.content_type, **plan.headers},
+                )
+            response = web.StreamResponse(
+                status=plan.status,
+                headers={
+                    "Content-Type": plan.content_type,
+                    "Cache-Control": "no-cache",
+                    **plan.headers,
+                },
+            )
+            await response.prepare(request)
+            rate = self.config.token_rate
+            loop = asyncio.get_running_loop()
+            start, generated = loop.time(), 0
+            try:
+                for i, event in enumerate(plan.events):
+                    if held is not None and i == plan.final_index:
+                        await self.control.wait(held)
+                        held = None
+                        start, generated = loop.time(), 0
+                    if rate > 0 and plan.tokens[i]:
+                        generated += plan.tokens[i]
+                        wait = start + generated / rate - loop.time()
+                        if wait > 0:
+                            await asyncio.sleep(wait)
+                    await response.write(event)
+                await response.write_eof()
+            except (ConnectionResetError, ConnectionError):
+                log.info("client went away mid-stream")
+            return response
+        finally:
+            if held is not None:
+                self.control.forget(held)
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        call = self.wire.parse_chat(body, self.served_model)
+        try:
+            plan = await asyncio.to_thread(self.plan, call)
+        except RequestError as e:
+            raise self._bad_request(e) from None
+        return await self.play(request, plan)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(self.wire.models(self.served_model, self.scenario.model, self.max_model_len))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    def _tokenize_ids(self, body: dict[str, Any]) -> list[int]:
+        if "messages" in body:
+            inp = RenderInput(
+                messages=normalize_messages(body["messages"]),
+                tools=normalize_tools(body.get("tools")),
+                kwargs=template_kwargs(body.get("chat_template_kwargs")),
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+            )
+            return list(self.renderer.prompt(inp).ids)
+        if isinstance(body.get("prompt"), str):
+            return self.renderer.encode_text(
+                body["prompt"], bool(body.get("add_special_tokens", True))
+            )
+        raise RequestError("either 'messages' or 'prompt' is required", param="prompt")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise self._bad_request(RequestError("the body must be a JSON object"))
+        model = body.get("model")
+        if model and model != self.served_model:
+            raise WireError(
+                404,
+                self.wire.error(
+                    404, f"The model `{model}` does not exist.", "NotFoundError", "model"
+                ),
+            )
+        try:
+            ids = await asyncio.to_thread(self._tokenize_ids, body)
+        except RequestError as e:
+            raise self._bad_request(e) from None
+        strs = (
+            self.renderer.tokenizer.convert_ids_to_tokens(ids)
+            if body.get("return_token_strs")
+            else None
+        )
+        return _json(self.wire.tokenize(ids, self.max_model_len, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise self._bad_request(
+                RequestError("'tokens' must be a list of integers", param="tokens")
+            )
+        return _json({"prompt": self.renderer.tokenizer.decode(tokens)})
+
+    async def release(self, request: web.Request) -> web.Response:
+        return _json({"released": self.control.release()})
+
+    async def requests(self, request: web.Request) -> web.Response:
+        return _json(list(self.control.requests))
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.control.reset()
+        return _json({"ok": True})
