@@ -103,8 +103,16 @@ def server(tmp_module: Path) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def demo(tmp_module: Path) -> Iterator[Server]:
-    """The demo scenario, three tokens per chunk, the pre-0.11 reasoning field name."""
-    s = Server(tmp_module, "--chunk-tokens", "3", "--reasoning-field", "reasoning_content")
+    """The demo scenario, three tokens per chunk at 400 tokens/s, the pre-0.11 reasoning field name."""
+    s = Server(
+        tmp_module,
+        "--chunk-tokens",
+        "3",
+        "--token-rate",
+        "400",
+        "--reasoning-field",
+        "reasoning_content",
+    )
     yield s
     s.stop()
 
@@ -465,6 +473,42 @@ def test_chunking_with_several_tokens_per_chunk(demo: Server) -> None:
     assert streamed["tools"][0]["name"] == "run_shell"
     assert json.loads(streamed["tools"][0]["arguments"]) == {"cmd": "wc -l notes.txt"}
     assert streamed["reasoning"] == full["choices"][0]["message"]["reasoning_content"]
+
+
+def test_token_rate_paces_the_stream(demo: Server) -> None:
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "How long is notes.txt?"},
+    ]
+    arrivals: list[tuple[float, int]] = []
+    with httpx.stream(
+        "POST", f"{demo.url}/v1/chat/completions", json=request(messages, stream=True), timeout=30
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: ") :])
+                if event["choices"] and "token_ids" in event["choices"][0]:
+                    arrivals.append((time.monotonic(), len(event["choices"][0]["token_ids"])))
+    n = sum(k for _, k in arrivals)
+    spread = arrivals[-1][0] - arrivals[0][0]
+    # 400 tokens/s: the tokens after the first chunk take (n - 1) / 400 s to "generate".
+    assert n > 30 and spread >= 0.8 * (n - 1) / 400
+    assert spread < 5 * n / 400
+
+
+def test_turn_knobs_delay_finish_reason_and_unknown_keys(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "[knobs] go"}]
+    started = time.monotonic()
+    full = http.post("/v1/chat/completions", json=request(messages, stream=False, tools=())).json()
+    assert time.monotonic() - started >= 0.3
+    choice = full["choices"][0]
+    assert choice["finish_reason"] == "length"  # the override, though the turn ended with EOS
+    assert choice["token_ids"][-1] == IM_END
+    assert choice["message"]["content"] == "\n\nSlow, and reported as truncated."
+    events = sse_events(
+        http.post("/v1/chat/completions", json=request(messages, stream=True, tools=())).text
+    )
+    assert assemble(events)["finish"] == "length"
 
 
 def test_stream_chunk_shapes_match_vllm(http: httpx.Client) -> None:

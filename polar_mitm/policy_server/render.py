@@ -313,7 +313,9 @@ class Renderer:
         self._prompts = _LRU(cache_size)
         self._completions = _LRU(cache_size)
         self._token_strs: dict[int, str] = {}
-        self._lock = threading.Lock()
+        # Fast tokenizers are not safe to drive from several threads at once (transformers may
+        # reconfigure truncation/padding on the shared Rust object: "Already borrowed").
+        self._lock = threading.RLock()
 
     # -- prompts -----------------------------------------------------------------------------
 
@@ -321,14 +323,15 @@ class Renderer:
         self, inp: RenderInput, messages: list[dict[str, Any]], *, generation: bool, tokenize: bool
     ):
         try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tools=inp.tools or None,
-                add_generation_prompt=generation,
-                continue_final_message=inp.continue_final_message and not generation,
-                tokenize=tokenize,
-                **inp.kwargs,
-            )
+            with self._lock:
+                return self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=inp.tools or None,
+                    add_generation_prompt=generation,
+                    continue_final_message=inp.continue_final_message and not generation,
+                    tokenize=tokenize,
+                    **inp.kwargs,
+                )
         except Exception as e:  # jinja TemplateError and friends: vLLM answers 400
             raise RequestError(f"chat template failed: {e}") from e
 
@@ -348,7 +351,17 @@ class Renderer:
         return self._prompts.get_or_make(inp.key, make)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        with self._lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(list(ids))
+
+    def token_names(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary entries of ``ids`` (``/tokenize``'s ``token_strs``)."""
+        with self._lock:
+            return list(self.tokenizer.convert_ids_to_tokens(list(ids)))
 
     # -- scripted completions ----------------------------------------------------------------
 
@@ -418,10 +431,12 @@ class Renderer:
             DecodeStream = None  # noqa: N806
         if backend is not None and DecodeStream is not None:
             stream = DecodeStream(skip_special_tokens=True)
-            return [stream.step(backend, i) or "" for i in ids]
+            with self._lock:
+                return [stream.step(backend, i) or "" for i in ids]
         pieces, previous = [], ""
         for n in range(1, len(ids) + 1):
-            text = self.tokenizer.decode(list(ids[:n]), skip_special_tokens=True)
+            with self._lock:
+                text = self.tokenizer.decode(list(ids[:n]), skip_special_tokens=True)
             if text.endswith("\ufffd"):
                 pieces.append("")
                 continue
@@ -433,8 +448,8 @@ class Renderer:
         """A token's decoded string (vLLM's ``Logprob.decoded_token``), cached per id."""
         value = self._token_strs.get(token_id)
         if value is None:
-            value = self.tokenizer.decode([token_id])
             with self._lock:
+                value = self.tokenizer.decode([token_id])
                 self._token_strs[token_id] = value
         return value
 

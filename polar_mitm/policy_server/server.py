@@ -336,7 +336,7 @@ class PolicyServer:
             raise self._bad_request(
                 RequestError("'tokens' must be a list of integers", param="tokens")
             )
-        return _json({"prompt": self.renderer.tokenizer.decode(tokens)})
+        return _json({"prompt": self.renderer.decode(tokens)})
 
     async def release(self, request: web.Request) -> web.Response:
         return _json({"released": self.control.release()})
