@@ -15,8 +15,8 @@ The server is stateless on purpose: the script is chosen from the request itself
 of assistant messages already in the request. Concurrent rollouts therefore never interfere, and a
 retried request gets the same answer.
 
-Per-turn knobs: ``hold_last`` (send everything but the last chunk, then wait for
-``POST /_polar/release``), ``delay_s`` (sleep before the first chunk), ``finish_reason`` (override the
+Per-turn knobs: ``hold_last`` (send every chunk before the one with ``finish_reason``, then wait for
+``POST /_polar/release``, at most 30 s; a non-streaming reply is held whole), ``delay_s`` (sleep before the first chunk), ``finish_reason`` (override the
 reported reason) and ``fault`` (reserved for fault modes, see ``faults.py``). Unknown keys are kept in
 ``Turn.extra`` and otherwise ignored, so newer scenario files still load.
 """

@@ -140,6 +140,10 @@ class VllmWire:
             max_tokens = body.get("max_tokens")
         if max_tokens is not None and not isinstance(max_tokens, int):
             raise self._invalid("max_tokens must be an integer", "body.max_tokens")
+        # vLLM checks the model after validating the body and before rendering the messages.
+        model = body.get("model")
+        if model and model != served_model:
+            raise self.not_found(model)
         try:
             kwargs = template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
             render = RenderInput(
@@ -151,9 +155,6 @@ class VllmWire:
             )
         except RequestError as e:
             raise self._bad_request(str(e), e.param) from None
-        model = body.get("model")
-        if model and model != served_model:
-            raise self.not_found(model)
         include_usage = bool(stream and stream_options and stream_options.get("include_usage"))
         return ChatCall(
             body=dict(body),
