@@ -63,7 +63,9 @@ CALLS_SCHEMA = pa.schema(
 TRACES_SCHEMA = pa.schema(
     [
         pa.field("trace_id", pa.string(), nullable=False),
-        pa.field("revision", pa.int32()),  # a reward join writes a higher revision; readers keep the highest
+        pa.field(
+            "revision", pa.int32()
+        ),  # a reward join writes a higher revision; readers keep the highest
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("group_id", pa.string()),
         pa.field("sample_index", pa.int32()),

@@ -26,7 +26,9 @@ import logging
 import os
 import posixpath
 import time
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import pyarrow as pa
@@ -35,7 +37,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from .. import __version__
-from .journal import fsync_dir
+from .journal import _SWAP, TYPED_COLUMNS, fsync_dir
 from .schema import SCHEMA_VERSION, SCHEMAS
 
 log = logging.getLogger(__name__)
@@ -102,30 +104,93 @@ def resolve_output(
     return Location(fs, os.path.abspath(path) if local else path.rstrip("/"), local)
 
 
+_CONVERT_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError)
+_MAX_LIST_VALUES = (1 << 31) - 1  # list<…> columns have int32 offsets
+
+# Per dataset: the schema without the raw-array columns; from_pylist reads only these keys.
+_SCALAR_SCHEMAS = {
+    name: pa.schema([f for f in schema if f.name not in TYPED_COLUMNS[name]])
+    for name, schema in SCHEMAS.items()
+}
+
+
+class _TooManyValues(Exception):
+    pass
+
+
+def _list_column(values: list[Any], list_type: pa.DataType, typecode: str) -> pa.Array:
+    """A list column from per-row `array.array`s by concatenating their buffers (no Python int
+    is touched); other values (plain lists from an older journal, wrong types) go through
+    ``pa.array`` and fail there with a precise message."""
+    if not all(v is None or (isinstance(v, array) and v.typecode == typecode) for v in values):
+        return pa.array([v.tolist() if isinstance(v, array) else v for v in values], type=list_type)
+    offsets = array("i", [0])
+    try:
+        offsets.extend(accumulate(0 if v is None else len(v) for v in values))
+    except OverflowError:
+        raise _TooManyValues from None
+    data = b"".join([memoryview(v) for v in values if v])
+    if _SWAP:
+        swapped = array(typecode)
+        swapped.frombytes(data)
+        swapped.byteswap()
+        data = swapped.tobytes()
+    child = pa.Array.from_buffers(list_type.value_type, offsets[-1], [None, pa.py_buffer(data)])
+    offsets_array = pa.Array.from_buffers(
+        pa.int32(), len(values) + 1, [None, pa.py_buffer(offsets)]
+    )
+    mask = pa.array([v is None for v in values]) if None in values else None
+    return pa.ListArray.from_arrays(offsets_array, child, type=list_type, mask=mask)
+
+
+def _build(dataset: str, rows: list[dict[str, Any]]) -> pa.Table:
+    schema = SCHEMAS[dataset]
+    typed = TYPED_COLUMNS[dataset]
+    base = pa.Table.from_pylist(rows, schema=_SCALAR_SCHEMAS[dataset])
+    columns = [
+        _list_column([r.get(f.name) for r in rows], f.type, typed[f.name])
+        if f.name in typed
+        else base.column(f.name)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _build_split(dataset: str, rows: list[dict[str, Any]]) -> pa.Table:
+    try:
+        return _build(dataset, rows)
+    except _TooManyValues:
+        if len(rows) == 1:
+            raise ValueError("a list column has more than 2**31-1 values") from None
+        half = len(rows) // 2
+        return pa.concat_tables(
+            [_build_split(dataset, rows[:half]), _build_split(dataset, rows[half:])]
+        )
+
+
 def to_table(
     dataset: str, rows: list[dict[str, Any]]
 ) -> tuple[pa.Table, list[tuple[dict[str, Any], str]]]:
     """Rows → a table of the dataset's schema, plus the rows that cannot be in it and why.
 
-    One bad row (a string where an int belongs, a missing required id) must not hold every other row
-    hostage, so on failure rows are converted one by one and the bad ones returned for the
-    dead-letter file. ``from_pylist`` does not enforce non-nullable fields; we do, because the Parquet
-    writer would reject the whole table later.
+    Rows come from `journal.prepare_row` (token lists as arrays) or straight from a caller (plain
+    lists); both work. One bad row (a string where an int belongs, a missing required id) must not
+    hold every other row hostage, so on failure rows are converted one by one and the bad ones
+    returned for the dead-letter file. ``from_pylist`` does not enforce non-nullable fields; we do,
+    because the Parquet writer would reject the whole table later.
     """
     schema = SCHEMAS[dataset]
+    rejected: list[tuple[dict[str, Any], str]] = []
     try:
-        table = pa.Table.from_pylist(rows, schema=schema)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
-        good, rejected, parts = [], [], []
+        table = _build_split(dataset, rows)
+    except _CONVERT_ERRORS:
+        parts = []
         for row in rows:
             try:
-                parts.append(pa.Table.from_pylist([row], schema=schema))
-                good.append(row)
-            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                parts.append(_build(dataset, [row]))
+            except _CONVERT_ERRORS as exc:
                 rejected.append((row, f"{type(exc).__name__}: {exc}"))
         table = pa.concat_tables(parts) if parts else schema.empty_table()
-    else:
-        rejected = []
     required = [f.name for f in schema if not f.nullable and table.column(f.name).null_count]
     if required:
         missing = pc.is_null(table.column(required[0]))
@@ -184,6 +249,7 @@ class ShardWriter:
         self.location = location
         self.proxy_id = proxy_id
         self._dirs: set[str] = set()
+        self._last = _dt.datetime.min.replace(tzinfo=_dt.UTC)
 
     def write(self, dataset: str, table: pa.Table, segment: int, segments: list[int]) -> list[str]:
         """Write ``table`` (already of the dataset's schema) as one shard per day; returns paths.
@@ -191,7 +257,9 @@ class ShardWriter:
         Raises on any failure; files of days written before the failure stay (they are complete), and
         the retry writes those rows again — readers dedupe by key, so that costs space, not truth.
         """
-        now = _dt.datetime.now(_dt.UTC)
+        # Strictly increasing per writer, so two shards of one flush never share a name.
+        now = max(_dt.datetime.now(_dt.UTC), self._last + _dt.timedelta(microseconds=1))
+        self._last = now
         metadata = {
             b"schema_version": str(SCHEMA_VERSION).encode(),
             b"producer": PRODUCER.encode(),

@@ -41,6 +41,8 @@ from .journal import (
     frame,
     fsync_dir,
     list_segments,
+    pack_record,
+    prepare_row,
     segment_name,
 )
 from .recovery import RecoveryReport, scan_journal
@@ -54,7 +56,7 @@ PROXY_ID_FILE = "proxy_id"
 
 # Journal batches: big enough that one fsync covers a burst, small enough to bound one write.
 BATCH_MAX_ROWS = 4096
-BATCH_MAX_BYTES = 32 << 20
+BATCH_MAX_BYTES = 8 << 20
 # Journaled rows are converted to Arrow once this many are waiting (and always before a flush).
 CONVERT_ROWS = 256
 CONVERT_BYTES = 4 << 20
@@ -64,6 +66,9 @@ SHARD_BACKOFF = (0.5, 30.0)
 # Rewrite the manifest without lines of deleted segments once it has this many.
 MANIFEST_COMPACT_LINES = 10_000
 DEFAULT_CLOSE_TIMEOUT = 60.0
+# A round normally takes a little more than one threshold's worth of rows; a backlog (recovery, an
+# outage) is cut into files of at most this many thresholds, so no shard grows without bound.
+SHARD_MAX_FACTOR = 2
 
 
 @dataclass
@@ -155,7 +160,11 @@ class Store:
         self._accepting = True
         self._drop_lock = threading.Lock()
 
-        self._lock = threading.Lock()  # segment writer, pending rows, counters below
+        # Two locks, always taken in this order: ``_jlock`` around a journal write+fsync and
+        # around a rotation, ``_lock`` around pending rows and progress. Converting rows to Arrow
+        # needs only ``_lock``, so it overlaps the (GIL-free) write and fsync of the next batch.
+        self._jlock = threading.Lock()
+        self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
         self._journal: SegmentWriter | None = None
         self._manifest = Manifest(self.journal_dir)
@@ -313,7 +322,7 @@ class Store:
             self._stop_shards.set()
             self._wake.set()
             self._threads[1].join(left())
-            with self._progress:
+            with self._jlock, self._progress:
                 self._state = "closed"
                 if self._journal is not None:
                     self._journal.close()
@@ -446,7 +455,8 @@ class Store:
             seq, dataset, row = item
             last_seq = seq
             try:
-                payload = encode_record(dataset, row)
+                row = prepare_row(dataset, row)
+                payload = pack_record(dataset, row)
             except Exception as exc:
                 self._drop(f"{dataset} row cannot be encoded ({exc})")
             else:
@@ -465,23 +475,26 @@ class Store:
         self, frames: list[bytes], regs: list[tuple[str, dict[str, Any], int]], last_seq: int
     ) -> None:
         assert self._journal is not None
-        with self._progress:
-            if frames:
-                seg = self._journal.write_batch(frames)
+        with self._jlock:
+            # Registered before _jlock is released, so a rotation never closes a segment whose
+            # rows are not pending yet (the manifest would then claim rows no shard holds).
+            seg = self._journal.write_batch(frames) if frames else 0
+            with self._progress:
                 now = time.monotonic()
                 for dataset, row, size in regs:
                     self._pending[dataset].add(row, seg, size, now)
-                self._outstanding[seg] += len(regs)
+                if regs:
+                    self._outstanding[seg] += len(regs)
                 self._stats["journaled"] += len(regs)
                 self._stats["journal_bytes"] += sum(len(f) for f in frames)
-            self._journaled_seq = last_seq
-            self._progress.notify_all()
+                self._journaled_seq = last_seq
+                self._progress.notify_all()
         self._wake.set()
 
     def _cleanup_abandoned(self) -> None:
         """After a failed write the segment was abandoned; if it holds no registered rows, its
         content is being retried elsewhere and the file can go."""
-        with self._lock:
+        with self._jlock, self._lock:
             if self._journal is None:
                 return
             stale = [
@@ -587,7 +600,7 @@ class Store:
     def _shard_round(self, datasets: list[str], full: bool) -> tuple[list[str], str | None]:
         """Write the pending rows of ``datasets`` as shards; returns (paths, first error)."""
         assert self._journal is not None
-        with self._lock:
+        with self._jlock, self._lock:
             self._journal.rotate()
             taken = {}
             for d in datasets:
@@ -631,18 +644,27 @@ class Store:
             p.rejected.extend(rejected)
             p.rows, p.rows_bytes = [], 0
         schema = SCHEMAS[dataset]
+        # No combine_chunks(): the Parquet writer slices row groups across chunks by itself, and
+        # a copy of the whole shard would cost ~10% of the flush.
         table = pa.concat_tables(p.tables) if p.tables else schema.empty_table()
-        if len(p.tables) > 1:
-            table = table.combine_chunks()
-            p.tables = [table]
-        paths = []
-        if table.num_rows:
-            paths = self._shards.write(dataset, table, segment=max(p.segs), segments=list(p.segs))
-            p.tables = []  # written: a later failure must not write them again
+        p.tables = [table]
+        paths: list[str] = []
+        per_row = max(1, table.nbytes // max(1, table.num_rows))
+        step = max(
+            1,
+            min(SHARD_MAX_FACTOR * self.flush_rows, SHARD_MAX_FACTOR * self.flush_bytes // per_row),
+        )
+        while table.num_rows:
+            piece = table.slice(0, step)
+            written = self._shards.write(dataset, piece, segment=max(p.segs), segments=list(p.segs))
+            table = table.slice(step)
+            p.tables = [table]  # what is written must not be written again by a retry
+            paths += written
             with self._lock:
-                self._stats["shards_written"] += len(paths)
-                self._stats["rows_in_shards"] += table.num_rows
-                self._stats["last_shard"] = paths[-1] if paths else self._stats["last_shard"]
+                self._stats["shards_written"] += len(written)
+                self._stats["rows_in_shards"] += piece.num_rows
+                self._stats["last_shard"] = written[-1] if written else self._stats["last_shard"]
+        p.tables = []
         if p.rejected:
             append_rejected(self.journal_dir, (encode_record(dataset, r) for r, _ in p.rejected))
             with self._lock:
