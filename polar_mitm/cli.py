@@ -76,7 +76,8 @@ def summary(directory: str, as_json: bool) -> None:
         fail(f"no captured calls under {directory}")
     table = Table(title=f"polar-mitm capture: {directory}")
     for name in ("rollout", "group", "calls", "prompt tokens", "sampled tokens", "errors", "dialects"):
-        table.add_column(name, justify="right" if "tokens" in name or name in ("calls", "errors") else "left")
+        numeric = "tokens" in name or name in ("calls", "errors")
+        table.add_column(name, justify="right" if numeric else "left", no_wrap=not numeric)
     for r in rollouts:
         table.add_row(r.rollout_id, r.group_id or "-", str(r.calls), str(r.prompt_tokens),
                       str(r.output_tokens), str(r.errors), ",".join(r.dialects))

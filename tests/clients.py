@@ -140,7 +140,7 @@ def grep_bytes(root: Path, needles: list[str]) -> dict[str, list[str]]:
             if path.suffix == ".parquet":
                 table = pq.read_table(path)
                 data += json.dumps(table.to_pylist(), default=str).encode()
-                data += json.dumps(table.schema.metadata or {}, default=str).encode()
+                data += b"".join(k + v for k, v in (table.schema.metadata or {}).items())
             for needle in needles:
                 if needle.encode() in data:
                     found.setdefault(needle, []).append(str(path))

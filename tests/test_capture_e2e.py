@@ -61,8 +61,9 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
     assert [r["finish_reason"] for r in replies] == ["tool_calls", "tool_calls", "stop"]
     assert json.loads(replies[0]["tool_calls"][0]["function"]["arguments"]) == {"cmd": "cat notes.txt"}
     assert replies[0]["tool_calls"][0]["function"]["name"] == "run_shell"
-    assert replies[2]["content"] == "notes.txt has 3 lines: alpha, beta and gamma."
-    assert replies[0].get("reasoning") == "I should look at the file first."
+    # vLLM keeps the "\n\n" the template puts after </think> in the content
+    assert replies[2]["content"] == "\n\nnotes.txt has 3 lines: alpha, beta and gamma."
+    assert replies[0]["reasoning"].strip() == "I should look at the file first."
 
     calls = calls_of(mitm)
     assert len(calls) == 3
@@ -117,7 +118,7 @@ def test_streaming_is_live(make_policy_server, make_mitm):
     released_at = time.monotonic()
     httpx.post(server.url + "/_polar/release", timeout=10).raise_for_status()
     reader.join(30)
-    assert result["text"] == "one two three four five six seven eight nine ten"
+    assert result["text"].strip() == "one two three four five six seven eight nine ten"
     assert result["done_at"] >= released_at
     [row] = calls_of(mitm)
     assert row["status"] == "completed" and row["stream"] is True
