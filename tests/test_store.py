@@ -231,7 +231,9 @@ def test_flush_and_close(out: Path) -> None:
     assert not (journal_dir(out) / "committed").exists()
     store.append("calls", call_row(7))  # after close: dropped and counted, never raised
     assert store.stats["dropped"] == 1
-    assert Store(out).start().clean
+    again = Store(out)
+    assert again.start().clean
+    again.close()
 
 
 def test_append_never_raises_and_counts_bad_rows(out: Path, caplog) -> None:
@@ -333,7 +335,9 @@ def test_crash_then_restart_recovers_exactly_once(out: Path) -> None:
     raw = read_table(out, "calls", dedup=False)
     assert sorted(raw.column("call_id").to_pylist()) == sorted(f"call-{i}" for i in range(40))
     assert read_table(out, "traces").num_rows == 5
-    again = Store(out).start()
+    store = Store(out)
+    again = store.start()
+    store.close()
     assert again.clean and again.recovered_rows == 0
     assert read_table(out, "calls", dedup=False).num_rows == 40
 
@@ -461,7 +465,9 @@ def test_temp_files_are_cleaned(out: Path) -> None:
         p.write_bytes(b"partial")
     old = time.time() - 2 * 3600
     os.utime(stale, (old, old))
-    report = Store(out, proxy_id="me").start()
+    store = Store(out, proxy_id="me")
+    report = store.start()
+    store.close()
     assert sorted(report.temp_files_removed) == sorted([str(mine), str(stale)])
     assert live.exists()  # another proxy may be writing it right now
     assert read_table(out, "calls").num_rows == 0  # temp files are never read
@@ -504,6 +510,7 @@ class FlakyFS(pafs.FileSystemHandler):
         self.local = pafs.SubTreeFileSystem(str(root), pafs.LocalFileSystem())
         self.down = False
         self.attempts = 0
+        self.fail_attempts: set[int] = set()
 
     def get_type_name(self) -> str:
         return "flaky"
@@ -549,7 +556,7 @@ class FlakyFS(pafs.FileSystemHandler):
 
     def open_output_stream(self, path, metadata):
         self.attempts += 1
-        if self.down:
+        if self.down or self.attempts in self.fail_attempts:
             raise ConnectionError("bucket unreachable (test)")
         return self.local.open_output_stream(path)
 
@@ -611,3 +618,103 @@ def test_outage_across_restart_loses_nothing(tmp_path: Path) -> None:
     assert report.rows["calls"] == 7 and not report.error
     assert read_table("data", "calls", filesystem=fs).num_rows == 7
     assert list_segments(str(jdir)) == []
+
+
+# -- journal encoding ----------------------------------------------------------------------------
+
+
+def test_token_lists_are_raw_arrays_in_the_journal_and_exact_in_parquet(out: Path) -> None:
+    import random
+    from array import array
+
+    rng = random.Random(1)
+    rows = [
+        call_row(
+            i,
+            prompt_token_ids=[rng.randrange(2**31) for _ in range(300)],
+            output_logprobs=[-rng.random() * 10 for _ in range(50)],
+        )
+        for i in range(20)
+    ]
+    rows[5]["prompt_token_ids"] = None
+    rows[6]["prompt_token_ids"] = (1, 2, 3)  # any iterable of ints
+    traces = [trace_row(1, loss_mask=[0, 1, True]), trace_row(2, loss_mask=None)]
+    with Store(out, flush_age_s=3600) as store:
+        for row in rows:
+            store.append("calls", row)
+        for row in traces:
+            store.append("traces", row)
+        assert store.sync(5)
+        seg = list_segments(str(journal_dir(out)))[0][1]
+        payloads, _ = read_segment(seg)
+        _, first = journal_mod.decode_record(payloads[0])
+        assert (
+            isinstance(first["prompt_token_ids"], array)
+            and first["prompt_token_ids"].typecode == "i"
+        )
+        assert first["prompt_token_ids"].tolist() == rows[0]["prompt_token_ids"]
+        assert sum(len(p) for p in payloads) < 20 * (300 * 4 + 50 * 4 + 1000)  # not 5-9 bytes/token
+    expected = pa.Table.from_pylist(
+        [dict(r, prompt_token_ids=list(r["prompt_token_ids"] or []) or None) for r in rows],
+        schema=CALLS_SCHEMA,
+    )
+    got = read_table(out, "calls")
+    assert (
+        got.column("prompt_token_ids").to_pylist()
+        == expected.column("prompt_token_ids").to_pylist()
+    )
+    assert got.column("output_logprobs").equals(
+        expected.column("output_logprobs")
+    )  # same float32 rounding
+    assert read_table(out, "traces").column("loss_mask").to_pylist() == [[0, 1, 1], None]
+
+
+def test_plain_msgpack_lists_in_an_old_journal_still_recover(out: Path) -> None:
+    jdir = journal_dir(out)
+    jdir.mkdir(parents=True)
+    writer = SegmentWriter(str(jdir), 1)
+    writer.write_batch([frame(journal_mod.pack_record("calls", call_row(i))) for i in range(3)])
+    writer.close()
+    report = recover(out)
+    assert report.rows["calls"] == 3
+    assert read_table(out, "calls").column("prompt_token_ids").to_pylist()[2] == list(range(2, 22))
+
+
+def test_out_of_range_ids_are_rejected_not_wrapped(out: Path) -> None:
+    with Store(out) as store:
+        store.append("calls", call_row(1, prompt_token_ids=[1, 2**31]))
+        store.append("calls", call_row(2))
+    assert read_table(out, "calls").column("call_id").to_pylist() == ["call-2"]
+    assert [
+        r["call_id"] for _, r in journal_mod.iter_records(str(journal_dir(out) / "rejected.log"))
+    ] == ["call-1"]
+
+
+def test_a_backlog_is_cut_into_bounded_shards(out: Path) -> None:
+    jdir = journal_dir(out)
+    for n in range(1, 6):
+        write_segment(jdir, n, [("calls", call_row(n * 100 + i)) for i in range(40)])
+    store = Store(out, flush_rows=20)
+    report = store.start()
+    store.close()
+    assert report.rows["calls"] == 200
+    sizes = [pq.read_metadata(p).num_rows for p in list_shards(out, "calls")]
+    assert sizes == [40] * 5
+    assert len({os.path.basename(p) for p in list_shards(out, "calls")}) == 5
+
+
+def test_failure_midway_through_a_backlog_writes_nothing_twice(tmp_path: Path) -> None:
+    handler = FlakyFS(tmp_path / "bucket")
+    (tmp_path / "bucket").mkdir()
+    fs = pafs.PyFileSystem(handler)
+    jdir = tmp_path / "journal"
+    for n in range(1, 4):
+        write_segment(jdir, n, [("calls", call_row(n * 100 + i)) for i in range(10)])
+    handler.fail_attempts = {2}  # the second of three shard uploads fails once
+    store = Store("data", journal_dir=jdir, filesystem=fs, flush_rows=5)
+    report = store.start()
+    assert report.error and len(report.shards) == 1
+    assert store.flush(timeout=10)
+    store.close()
+    raw = read_table("data", "calls", filesystem=fs, dedup=False)
+    assert raw.num_rows == 30 and len(set(raw.column("call_id").to_pylist())) == 30

@@ -245,7 +245,10 @@ class Store:
         """Queue a row; never blocks on I/O and never raises.
 
         ``row`` is keyed by schema column names (missing = null; timestamps as int microseconds
-        since the epoch, UTC). The store takes ownership: do not mutate the dict afterwards.
+        since the epoch, UTC, or datetimes; list columns as lists). The store takes ownership: do
+        not mutate the dict or its lists afterwards (they are read by the journal thread). Rows
+        that cannot be stored are counted in ``stats`` ("dropped" when they cannot be encoded,
+        "rejected" when they do not fit the schema, kept in ``<journal_dir>/rejected.log``).
         """
         try:
             if dataset not in SCHEMAS:
@@ -332,6 +335,7 @@ class Store:
                 log.warning("polar store: writer threads did not stop within the close timeout")
             elif leftover == 0 and not list_segments(self.journal_dir):
                 try:
+                    fsync_dir(self.journal_dir)  # segment deletions before the manifest goes
                     self._manifest.rewrite([])
                 except OSError as exc:
                     log.warning("polar store: could not clear the manifest: %s", exc)
@@ -539,10 +543,11 @@ class Store:
         with self._lock:
             now = time.monotonic()
             forced = self._flush_target > self._flushed_seq or self._flushed_seq < 0
-            if now < self._shard_retry_at and not self._flush_now:
+            # An explicit flush() gets one attempt right away, even during a backoff.
+            urgent, self._flush_now = self._flush_now and forced, False
+            if now < self._shard_retry_at and not urgent:
                 return [], False
             if forced:
-                self._flush_now = False
                 return list(SCHEMAS), True
             due = [
                 d
@@ -611,7 +616,7 @@ class Store:
         error = None
         for dataset, p in taken.items():
             try:
-                paths += self._commit(dataset, p)
+                self._commit(dataset, p, paths)
             except Exception as exc:
                 error = error or f"{type(exc).__name__}: {exc}"
                 self._error(
@@ -635,9 +640,11 @@ class Store:
             self._progress.notify_all()
         return paths, error
 
-    def _commit(self, dataset: str, p: _Pending) -> list[str]:
-        """Shards first, then the manifest, then segment deletion: each step durable before the
-        next, so a crash between any two writes rows again at worst, never loses them."""
+    def _commit(self, dataset: str, p: _Pending, paths: list[str]) -> None:
+        """Write ``p`` as shards (paths appended to ``paths``), then the manifest, then delete the
+        segments: each step durable before the next, so a crash between any two writes rows again
+        at worst, never loses them. Raises on failure with ``p`` trimmed to what is still unwritten,
+        so the retry does not write the same rows twice."""
         if p.rows:
             table, rejected = self._to_table(dataset, p.rows)
             p.tables.append(table)
@@ -648,7 +655,6 @@ class Store:
         # a copy of the whole shard would cost ~10% of the flush.
         table = pa.concat_tables(p.tables) if p.tables else schema.empty_table()
         p.tables = [table]
-        paths: list[str] = []
         per_row = max(1, table.nbytes // max(1, table.num_rows))
         step = max(
             1,
@@ -687,7 +693,6 @@ class Store:
             with self._lock:
                 keep = set(self._committed_live)
             self._manifest.rewrite(keep)
-        return paths
 
     def _delete_segments(self, numbers: list[int], quiet: bool = False) -> None:
         for n in numbers:
