@@ -19,12 +19,24 @@ def confdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# The policy-server wire kinds every dialect test runs against (SGLang joins with issue 4).
+UPSTREAM_KINDS = ["vllm"]
+
+
+@pytest.fixture(params=UPSTREAM_KINDS)
+def upstream_kind(request: pytest.FixtureRequest) -> str:
+    """Parametrize a test over the server kinds: use it with make_policy_server(kind=...) and
+    make_mitm(..., polar_upstream_kind=...)."""
+    return request.param
+
+
 @pytest.fixture
 def make_policy_server(tmp_path: Path) -> Iterator:
     started: list[PolicyServer] = []
 
-    def make(scenario: Path | str | None = None, *extra: str) -> PolicyServer:
-        server = start_policy_server(tmp_path, scenario, extra, name=f"policy{len(started)}")
+    def make(scenario: Path | str | None = None, *extra: str, kind: str = "vllm") -> PolicyServer:
+        args = [*extra, "--kind", kind] if kind != "vllm" else list(extra)
+        server = start_policy_server(tmp_path, scenario, args, name=f"policy{len(started)}")
         started.append(server)
         return server
 

@@ -52,9 +52,9 @@ def direct(server_url: str, messages: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stream):
-    server = make_policy_server(SCENARIO)
-    mitm = make_mitm(server.url)
+def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stream, upstream_kind):
+    server = make_policy_server(SCENARIO, kind=upstream_kind)
+    mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
     client = openai_client(mitm, api_key="polar-conv.1")
     sent, replies = run_tool_conversation(client, stream=stream)
 
@@ -89,11 +89,13 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
     assert grep_bytes(mitm.output, ["polar-conv.1"]) == {}
 
 
-def test_streaming_is_live(make_policy_server, make_mitm):
+def test_streaming_is_live(make_policy_server, make_mitm, upstream_kind):
     """The server holds its last chunk until the client has read the first one: a proxy that
-    buffered the reply would deadlock here (until the server's 30 s hold timeout)."""
-    server = make_policy_server(SCENARIO)
-    mitm = make_mitm(server.url)
+    buffered the reply would deadlock here (until the server's 30 s hold timeout).
+    (SGLang cannot stream with token flags: there the hold is on the whole upstream reply, and
+    the test shows the harness's synthesized stream starts as soon as that reply arrives.)"""
+    server = make_policy_server(SCENARIO, kind=upstream_kind)
+    mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
     first_chunk = threading.Event()
     result: dict = {}
 
