@@ -718,3 +718,43 @@ def test_failure_midway_through_a_backlog_writes_nothing_twice(tmp_path: Path) -
     store.close()
     raw = read_table("data", "calls", filesystem=fs, dedup=False)
     assert raw.num_rows == 30 and len(set(raw.column("call_id").to_pylist())) == 30
+
+
+def test_rows_spill_to_the_journal_during_a_long_outage(tmp_path: Path) -> None:
+    handler = FlakyFS(tmp_path / "bucket")
+    (tmp_path / "bucket").mkdir()
+    fs = pafs.PyFileSystem(handler)
+    jdir = tmp_path / "journal"
+    handler.down = True
+    store = Store(
+        "data", journal_dir=jdir, filesystem=fs, flush_age_s=0.05, max_pending_bytes=20_000
+    )
+    store.start()
+    for i in range(60):
+        store.append("calls", call_row(i))
+        if i % 10 == 9:
+            assert store.sync(5)
+    assert wait_until(lambda: store.stats["spills"] >= 1)
+    held = sum(p.memory_bytes() for p in store._pending.values())
+    assert held <= 20_000 + 30_000 and store.stats["pending_rows"] == 60
+    handler.down = False
+    assert store.flush(timeout=20)
+    store.close()
+    raw = read_table("data", "calls", filesystem=fs, dedup=False)
+    assert sorted(raw.column("call_id").to_pylist()) == sorted(f"call-{i}" for i in range(60))
+    assert list_segments(str(jdir)) == []
+
+
+def test_an_unreadable_segment_is_left_in_place(out: Path) -> None:
+    jdir = journal_dir(out)
+    write_segment(jdir, 1, [("calls", call_row(1))])
+    (jdir / journal_mod.segment_name(5)).mkdir()  # reading it fails with an OSError
+    store = Store(out, flush_age_s=3600)
+    report = store.start()
+    assert report.rows["calls"] == 1 and report.unreadable == [str(jdir / "seg-00000005.log")]
+    store.append("calls", call_row(2))
+    assert store.sync(5)
+    assert [n for n, _ in list_segments(str(jdir))] == [5, 6]
+    store.close()
+    assert (jdir / "seg-00000005.log").is_dir()
+    assert read_table(out, "calls").num_rows == 2

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from .journal import Damage, decode_record, list_segments, read_segment
+from .journal import Damage, decode_record, list_segments, read_segment, segment_name
 from .schema import SCHEMAS
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class RecoveryReport:
     duplicates: int = 0  # records dropped because a later copy of the same key exists
     invalid_records: int = 0  # intact frames that are not journal records (or name no dataset)
     damaged: list[Damage] = field(default_factory=list)  # torn / corrupt tails, one per file
+    unreadable: list[str] = field(default_factory=list)  # segments left in place (I/O errors)
     temp_files_removed: list[str] = field(default_factory=list)
     shards: list[str] = field(default_factory=list)  # shards written from the recovered rows
     error: str | None = None  # set when the recovered rows could not be written yet (retried)
@@ -72,6 +74,8 @@ class RecoveryReport:
             parts.append(f"{len(self.damaged)} damaged tail(s) skipped")
         if self.invalid_records:
             parts.append(f"{self.invalid_records} invalid record(s) skipped")
+        if self.unreadable:
+            parts.append(f"{len(self.unreadable)} unreadable segment(s) left in place")
         if self.temp_files_removed:
             parts.append(f"{len(self.temp_files_removed)} temp file(s) removed")
         if self.error:
@@ -81,10 +85,13 @@ class RecoveryReport:
 
 @dataclass
 class Scan:
-    """Leftover journal content: rows still to be sharded and the segments they came from."""
+    """Leftover journal content, as locations only: what to shard is re-read from the segments a
+    bounded group at a time, so recovering a journal larger than memory works."""
 
-    segments: list[int]  # every leftover segment number
-    rows: dict[str, list[tuple[int, dict[str, Any]]]]  # dataset -> [(segment, row)], journal order
+    segments: list[int]  # every readable leftover segment number
+    unreadable: list[int]  # segments that could not be read: left in place, never deleted
+    counts: dict[str, Counter[int]]  # dataset -> segment -> rows to shard from it
+    skip: dict[int, set[int]]  # segment -> record indexes superseded by a later copy
 
 
 def _key(dataset: str, row: dict[str, Any], unique: object) -> tuple[Any, ...]:
@@ -98,18 +105,25 @@ def _key(dataset: str, row: dict[str, Any], unique: object) -> tuple[Any, ...]:
 def scan_journal(
     journal_dir: str, committed: Iterable[tuple[int, str]], report: RecoveryReport
 ) -> Scan:
-    """Read every leftover segment (rules 2–4 above), filling ``report``; writes nothing."""
+    """Read every leftover segment (rules 2–4 above), filling ``report``; writes nothing and keeps
+    only keys and locations in memory."""
     committed = set(committed)
     segments = list_segments(journal_dir)
     report.segments = len(segments)
-    latest: dict[str, dict[tuple[Any, ...], tuple[int, dict[str, Any]]]] = {d: {} for d in SCHEMAS}
+    # (dataset, key) -> (segment, index, still to shard)
+    latest: dict[tuple[Any, ...], tuple[int, int, bool]] = {}
+    counts: dict[str, Counter[int]] = {d: Counter() for d in SCHEMAS}
+    skip: dict[int, set[int]] = {}
+    readable, unreadable = [], []
     for n, path in segments:
         try:
             payloads, damage = read_segment(path)
         except OSError as exc:
             log.warning("journal %s: unreadable (%s); left in place", path, exc)
-            report.invalid_records += 1
+            unreadable.append(n)
+            report.unreadable.append(path)
             continue
+        readable.append(n)
         if damage is not None:
             log.warning("journal %s", damage)
             report.damaged.append(damage)
@@ -120,26 +134,60 @@ def scan_journal(
                 dataset, row = decode_record(payload)
             except ValueError:
                 report.invalid_records += 1
+                skip.setdefault(n, set()).add(i)
                 continue
             if dataset not in SCHEMAS:
                 report.invalid_records += 1
+                skip.setdefault(n, set()).add(i)
                 continue
-            if (n, dataset) in committed:
+            key = (dataset, *_key(dataset, row, (n, i)))
+            earlier = latest.get(key)
+            if earlier is not None and earlier[2]:  # an older copy still to shard: superseded
+                report.duplicates += 1
+                skip.setdefault(earlier[0], set()).add(earlier[1])
+                counts[dataset][earlier[0]] -= 1
+            if (n, dataset) in committed:  # in shards already; it still supersedes older copies
                 report.already_committed += 1
+                latest[key] = (n, i, False)
                 continue
             fully_committed = False
-            key = _key(dataset, row, (n, i))
-            seen = latest[dataset]
-            if key in seen:
-                report.duplicates += 1
-                del seen[key]  # re-insert so the kept copy sits where it was last journaled
-            seen[key] = (n, row)
+            latest[key] = (n, i, True)
+            counts[dataset][n] += 1
         if fully_committed and payloads:
             report.segments_already_committed += 1
-    rows = {d: list(latest[d].values()) for d in SCHEMAS}
     for d in SCHEMAS:
-        report.rows[d] = len(rows[d])
-    return Scan([n for n, _ in segments], rows)
+        counts[d] = +counts[d]  # drop segments left with nothing to shard
+        report.rows[d] = sum(counts[d].values())
+    return Scan(readable, unreadable, counts, skip)
+
+
+def load_rows(
+    journal_dir: str, dataset: str, segments: Iterable[int], skip: dict[int, set[int]]
+) -> list[dict[str, Any]]:
+    """The ``dataset`` rows of ``segments`` (journal order), minus the ``skip``ped records.
+
+    Raises OSError when a segment cannot be read (the caller retries later); a segment that has
+    vanished (removed by hand) is reported and skipped, or it would block every later row.
+    """
+    rows = []
+    for n in segments:
+        path = os.path.join(journal_dir, segment_name(n))
+        try:
+            payloads, _ = read_segment(path)
+        except FileNotFoundError:
+            log.error("journal %s vanished before its rows were written to shards", path)
+            continue
+        dropped = skip.get(n, ())
+        for i, payload in enumerate(payloads):
+            if i in dropped:
+                continue
+            try:
+                d, row = decode_record(payload)
+            except ValueError:
+                continue
+            if d == dataset:
+                rows.append(row)
+    return rows
 
 
 def recover(

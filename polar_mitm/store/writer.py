@@ -45,7 +45,7 @@ from .journal import (
     prepare_row,
     segment_name,
 )
-from .recovery import RecoveryReport, scan_journal
+from .recovery import RecoveryReport, load_rows, scan_journal
 from .schema import SCHEMAS
 from .shards import ShardWriter, cleanup_temp_files, resolve_output, to_table
 
@@ -73,13 +73,18 @@ SHARD_MAX_FACTOR = 2
 
 @dataclass
 class _Pending:
-    """One dataset's journaled rows that are not in shards yet, oldest first."""
+    """One dataset's journaled rows that are not in shards yet, oldest first.
+
+    Rows are held in memory (``tables`` then ``rows``, from segments ``segs``) or, after recovery
+    or a spill, only on disk (``disk``: segment -> rows, re-read a bounded group at a time).
+    """
 
     tables: list[pa.Table] = field(default_factory=list)  # converted
     rows: list[dict[str, Any]] = field(default_factory=list)  # not yet converted (newer)
     rows_bytes: int = 0
     rejected: list[tuple[dict[str, Any], str]] = field(default_factory=list)
-    segs: Counter[int] = field(default_factory=Counter)  # segment -> rows from it
+    segs: Counter[int] = field(default_factory=Counter)  # segment -> rows from it, in memory
+    disk: Counter[int] = field(default_factory=Counter)  # segment -> rows from it, on disk only
     count: int = 0
     nbytes: int = 0  # journal payload bytes
     oldest: float | None = None  # monotonic time the oldest row was journaled
@@ -93,6 +98,17 @@ class _Pending:
         if self.oldest is None:
             self.oldest = now
 
+    def memory_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tables) + self.rows_bytes
+
+    def spill(self) -> None:
+        """Forget the in-memory copies; the rows stay pending, to be re-read from the journal.
+        Only valid when every segment in ``segs`` is closed."""
+        self.disk += self.segs
+        self.segs = Counter()
+        self.tables, self.rows, self.rejected = [], [], []
+        self.rows_bytes = self.nbytes = 0
+
     def then(self, later: _Pending) -> _Pending:
         """This (older) pending followed by ``later``: used to put back rows whose write failed."""
         merged = _Pending(
@@ -101,6 +117,7 @@ class _Pending:
             rows_bytes=self.rows_bytes + later.rows_bytes,
             rejected=self.rejected + later.rejected,
             segs=self.segs + later.segs,
+            disk=self.disk + later.disk,
             count=self.count + later.count,
             nbytes=self.nbytes + later.nbytes,
         )
@@ -131,6 +148,7 @@ class Store:
         flush_age_s: float = 30.0,
         *,
         filesystem: Any = None,
+        max_pending_bytes: int | None = None,
     ) -> None:
         self.location = resolve_output(output, filesystem)
         if journal_dir is None:
@@ -147,6 +165,9 @@ class Store:
         if flush_rows < 1 or flush_bytes < 1 or not flush_age_s > 0:
             raise ValueError("flush_rows, flush_bytes and flush_age_s must be positive")
         self.flush_rows, self.flush_bytes, self.flush_age_s = flush_rows, flush_bytes, flush_age_s
+        # Rows waiting for shards are kept in memory up to this; beyond it (a long outage of the
+        # output, or output slower than capture) they are kept only in the journal.
+        self.max_pending_bytes = max_pending_bytes or 4 * flush_bytes
         self._proxy_id_generated = proxy_id is None
         if proxy_id is None:
             proxy_id = self._load_proxy_id() or _new_proxy_id()
@@ -171,6 +192,8 @@ class Store:
         self._committed_live: set[tuple[int, str]] = set()
         self._pending = {d: _Pending() for d in SCHEMAS}
         self._outstanding: Counter[int] = Counter()
+        self._skip: dict[int, set[int]] = {}  # recovery: superseded records per segment
+        self._keep: set[int] = set()  # unreadable leftover segments: never deleted by us
         self._journaled_seq = 0
         self._flushed_seq = 0
         self._flush_target = 0
@@ -201,6 +224,7 @@ class Store:
                 "shard_failures",
                 "segments_deleted",
                 "recovered_rows",
+                "spills",
             ),
             0,
         )
@@ -399,14 +423,18 @@ class Store:
             log.warning("polar store: could not clean temp shards: %s", exc)
         committed = self._manifest.load()
         scan = scan_journal(self.journal_dir, committed, report)
-        highest = max([n for n, _ in committed] + scan.segments, default=0)
+        highest = max([n for n, _ in committed] + scan.segments + scan.unreadable, default=0)
         self._journal = SegmentWriter(self.journal_dir, highest + 1)
         now = time.monotonic()
-        for dataset, rows in scan.rows.items():
-            for seg, row in rows:
-                self._pending[dataset].add(row, seg, 0, now)
-                self._outstanding[seg] += 1
-        live = set(scan.segments)
+        for dataset, counts in scan.counts.items():
+            p = self._pending[dataset]
+            p.disk += counts
+            p.count += sum(counts.values())
+            p.oldest = now if p.count else None
+            self._outstanding += counts
+        self._skip = scan.skip
+        self._keep = set(scan.unreadable)
+        live = set(scan.segments) | self._keep
         self._committed_live = {(n, d) for n, d in committed if n in live}
         self._delete_segments([n for n in scan.segments if self._outstanding[n] == 0])
         fsync_dir(self.journal_dir)
@@ -520,6 +548,7 @@ class Store:
                 if self._stop_shards.is_set():
                     return
                 self._convert(force=False)
+                self._maybe_spill()
                 due, full = self._due()
                 if due:
                     self._shard_round(due, full)
@@ -645,16 +674,61 @@ class Store:
         segments: each step durable before the next, so a crash between any two writes rows again
         at worst, never loses them. Raises on failure with ``p`` trimmed to what is still unwritten,
         so the retry does not write the same rows twice."""
+        while p.disk:  # older than anything in memory
+            group = self._disk_group(p.disk)
+            rows = load_rows(self.journal_dir, dataset, group, self._skip)
+            table, rejected = self._to_table(dataset, rows)
+            self._write_pieces(dataset, table, group, paths)
+            self._dead_letter(dataset, rejected)
+            counts = Counter({n: p.disk.pop(n) for n in group})
+            p.count -= sum(counts.values())
+            self._finish(dataset, counts)
+        if not p.segs:
+            return
         if p.rows:
             table, rejected = self._to_table(dataset, p.rows)
             p.tables.append(table)
             p.rejected.extend(rejected)
             p.rows, p.rows_bytes = [], 0
-        schema = SCHEMAS[dataset]
         # No combine_chunks(): the Parquet writer slices row groups across chunks by itself, and
         # a copy of the whole shard would cost ~10% of the flush.
-        table = pa.concat_tables(p.tables) if p.tables else schema.empty_table()
+        table = pa.concat_tables(p.tables) if p.tables else SCHEMAS[dataset].empty_table()
         p.tables = [table]
+        self._write_pieces(dataset, table, list(p.segs), paths, progress=p)
+        p.tables = []
+        self._dead_letter(dataset, p.rejected)
+        p.rejected = []
+        self._finish(dataset, p.segs)
+
+    def _disk_group(self, disk: Counter[int]) -> list[int]:
+        """The oldest segments whose rows make about one shard's worth (at least one segment)."""
+        group: list[int] = []
+        size = rows = 0
+        for n in sorted(disk):
+            try:
+                seg_size = os.path.getsize(os.path.join(self.journal_dir, segment_name(n)))
+            except OSError:
+                seg_size = 0
+            if group and (
+                size + seg_size > SHARD_MAX_FACTOR * self.flush_bytes
+                or rows + disk[n] > SHARD_MAX_FACTOR * self.flush_rows
+            ):
+                break
+            group.append(n)
+            size += seg_size
+            rows += disk[n]
+        return group
+
+    def _write_pieces(
+        self,
+        dataset: str,
+        table: pa.Table,
+        segments: list[int],
+        paths: list[str],
+        progress: _Pending | None = None,
+    ) -> None:
+        """Write ``table`` as shards of bounded size; with ``progress``, keep its ``tables`` at
+        what is still unwritten, so a retry after a failure midway does not write rows twice."""
         per_row = max(1, table.nbytes // max(1, table.num_rows))
         step = max(
             1,
@@ -662,27 +736,32 @@ class Store:
         )
         while table.num_rows:
             piece = table.slice(0, step)
-            written = self._shards.write(dataset, piece, segment=max(p.segs), segments=list(p.segs))
+            written = self._shards.write(dataset, piece, segment=max(segments), segments=segments)
             table = table.slice(step)
-            p.tables = [table]  # what is written must not be written again by a retry
+            if progress is not None:
+                progress.tables = [table]
             paths += written
             with self._lock:
                 self._stats["shards_written"] += len(written)
                 self._stats["rows_in_shards"] += piece.num_rows
                 self._stats["last_shard"] = written[-1] if written else self._stats["last_shard"]
-        p.tables = []
-        if p.rejected:
-            append_rejected(self.journal_dir, (encode_record(dataset, r) for r, _ in p.rejected))
+
+    def _dead_letter(self, dataset: str, rejected: list[tuple[dict[str, Any], str]]) -> None:
+        if rejected:
+            append_rejected(self.journal_dir, (encode_record(dataset, r) for r, _ in rejected))
             with self._lock:
-                self._stats["rejected"] += len(p.rejected)
-            p.rejected = []
-        entries = [(n, dataset) for n in p.segs]
+                self._stats["rejected"] += len(rejected)
+
+    def _finish(self, dataset: str, counts: Counter[int]) -> None:
+        """Record that every ``dataset`` row of these segments is in shards, and delete the
+        segments that have nothing else pending."""
+        entries = [(n, dataset) for n in counts]
         self._manifest.append(entries)
         with self._lock:
             self._committed_live.update(entries)
             assert self._journal is not None
             done = []
-            for n, c in p.segs.items():
+            for n, c in counts.items():
                 self._outstanding[n] -= c
                 if self._outstanding[n] <= 0 and n < self._journal.number:
                     del self._outstanding[n]
@@ -694,8 +773,30 @@ class Store:
                 keep = set(self._committed_live)
             self._manifest.rewrite(keep)
 
+    def _maybe_spill(self) -> None:
+        """Bound memory while shards cannot keep up: pending rows beyond ``max_pending_bytes``
+        are dropped from memory (they are in the journal) and re-read when writing resumes."""
+        with self._lock:
+            held = sum(p.memory_bytes() for p in self._pending.values())
+        if held <= self.max_pending_bytes:
+            return
+        assert self._journal is not None
+        with self._jlock, self._lock:
+            self._journal.rotate()  # spilled rows must all be in closed segments
+            for p in self._pending.values():
+                p.spill()
+            self._stats["spills"] += 1
+        log.warning(
+            "polar store: %d MiB of rows are waiting for shards (%s); keeping them only in the "
+            "journal until writing catches up",
+            held >> 20,
+            self._stats["last_error"] or "output slower than capture",
+        )
+
     def _delete_segments(self, numbers: list[int], quiet: bool = False) -> None:
         for n in numbers:
+            if n in self._keep:
+                continue
             try:
                 os.unlink(os.path.join(self.journal_dir, segment_name(n)))
             except FileNotFoundError:
@@ -707,6 +808,7 @@ class Store:
             with self._lock:
                 self._stats["segments_deleted"] += 1
                 self._committed_live = {(k, d) for k, d in self._committed_live if k != n}
+                self._skip.pop(n, None)
 
     # -- errors -----------------------------------------------------------------------------------
 
