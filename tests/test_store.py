@@ -758,3 +758,16 @@ def test_an_unreadable_segment_is_left_in_place(out: Path) -> None:
     store.close()
     assert (jdir / "seg-00000005.log").is_dir()
     assert read_table(out, "calls").num_rows == 2
+
+
+def test_close_with_no_time_left_still_journals_every_row(out: Path) -> None:
+    store = Store(out, flush_age_s=3600)
+    store.start()
+    for i in range(300):
+        store.append("calls", call_row(i))
+    store.close(timeout=0)  # no time to write shards, but the queue is drained to the journal
+    again = Store(out)
+    again.start()
+    again.close()
+    raw = read_table(out, "calls", dedup=False)
+    assert sorted(raw.column("call_id").to_pylist()) == sorted(f"call-{i}" for i in range(300))

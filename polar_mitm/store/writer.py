@@ -11,9 +11,15 @@ Two background threads, so that neither the caller nor capture durability waits 
   of whose rows are in shards. A failed write (output unreachable) puts the rows back, records
   ``stats["last_error"]`` and retries with exponential backoff; the journal keeps them meanwhile.
 
-Both threads share one lock for the segment writer and the pending rows: a batch is written and its
-rows registered atomically with respect to a rotation, so a rotation never closes a segment whose
-rows are not yet pending (which would let the manifest claim rows that no shard holds).
+Memory stays bounded: rows waiting for shards are held as Arrow (4 bytes a token) up to
+``max_pending_bytes``; beyond that (a long outage) they are dropped from memory and re-read from the
+journal a bounded group of segments at a time, which is also how recovery works.
+
+Two locks, always taken in this order: ``_jlock`` around a journal write+fsync and a rotation,
+``_lock`` around the pending rows and progress counters. A batch is written and its rows registered
+under ``_jlock``, so a rotation never closes a segment whose rows are not yet pending (which would
+let the manifest claim rows that no shard holds); conversion to Arrow needs only ``_lock``, so it
+overlaps the GIL-free write and fsync of the next batch.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from .journal import (
     DirectoryLock,
@@ -66,6 +73,7 @@ SHARD_BACKOFF = (0.5, 30.0)
 # Rewrite the manifest without lines of deleted segments once it has this many.
 MANIFEST_COMPACT_LINES = 10_000
 DEFAULT_CLOSE_TIMEOUT = 60.0
+JOURNAL_DRAIN_S = 10.0
 # A round normally takes a little more than one threshold's worth of rows; a backlog (recovery, an
 # outage) is cut into files of at most this many thresholds, so no shard grows without bound.
 SHARD_MAX_FACTOR = 2
@@ -136,6 +144,8 @@ class Store:
     ``output`` is a local path or a pyarrow filesystem URI (``s3://bucket/prefix?endpoint_override=…``);
     ``filesystem`` may be given instead of a URI scheme (then ``output`` is the path inside it).
     The journal is always local: with remote output ``journal_dir`` is required.
+    ``max_pending_bytes`` (default 4 x ``flush_bytes``) bounds the rows held in memory while
+    shards cannot be written; the rest wait in the journal only.
     """
 
     def __init__(
@@ -147,7 +157,7 @@ class Store:
         flush_bytes: int = 64 << 20,
         flush_age_s: float = 30.0,
         *,
-        filesystem: Any = None,
+        filesystem: pafs.FileSystem | None = None,
         max_pending_bytes: int | None = None,
     ) -> None:
         self.location = resolve_output(output, filesystem)
@@ -241,7 +251,7 @@ class Store:
         """
         with self._close_lock:
             if self._state != "new":
-                raise RuntimeError("Store.start() called twice")
+                raise RuntimeError("Store.start() called twice, or after close()")
             os.makedirs(self.journal_dir, exist_ok=True)
             self._dirlock.acquire()
             try:
@@ -331,6 +341,11 @@ class Store:
             if self._state != "running":
                 with self._append_lock:
                     self._accepting = False
+                if self._state == "new" and not self._queue.empty():
+                    log.error(
+                        "polar store: %d row(s) appended before start() were never stored",
+                        self._queue.qsize(),
+                    )
                 self._state = "closed"
                 return
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -340,24 +355,27 @@ class Store:
 
             flushed = self.flush(left())
             with self._append_lock:
-                self._accepting = False
-            target = self._seq
+                self._accepting = False  # from here on the queue only shrinks
+            # Draining the queue into the journal is local I/O and is what makes appended rows
+            # durable, so it gets a grace period even when the flush timeout is spent.
             self._stop_journal.set()
-            self._threads[0].join(left())
-            if flushed and target > self._flushed_seq:  # rows appended while closing
+            self._threads[0].join(None if deadline is None else max(left() or 0.0, JOURNAL_DRAIN_S))
+            if flushed and self._seq > self._flushed_seq:  # rows appended while closing
                 flushed = self.flush(left())
-            self._stop_shards.set()
+            self._stop_shards.set()  # also ends a journal thread stuck in its retry backoff
             self._wake.set()
-            self._threads[1].join(left())
-            with self._jlock, self._progress:
+            self._threads[0].join(1.0)
+            self._threads[1].join(None if deadline is None else max(left() or 0.0, 1.0))
+            alive = [t.name for t in self._threads if t.is_alive()]
+            if not alive:
+                with self._jlock:
+                    if self._journal is not None:
+                        self._journal.close()
+            with self._progress:
                 self._state = "closed"
-                if self._journal is not None:
-                    self._journal.close()
                 leftover = sum(p.count for p in self._pending.values()) + self._queue.qsize()
                 self._progress.notify_all()
-            if self._threads[0].is_alive() or self._threads[1].is_alive():
-                log.warning("polar store: writer threads did not stop within the close timeout")
-            elif leftover == 0 and not list_segments(self.journal_dir):
+            if not alive and leftover == 0 and not list_segments(self.journal_dir):
                 try:
                     fsync_dir(self.journal_dir)  # segment deletions before the manifest goes
                     self._manifest.rewrite([])
@@ -371,8 +389,13 @@ class Store:
                     self._stats["last_error"] or "close timeout",
                     self.journal_dir,
                 )
-            self._dirlock.release()
             atexit.unregister(self.close)
+            if alive:
+                # Still writing (a hung upload or disk): keep the journal locked until the process
+                # exits, so no other store can work on it beside them.
+                log.warning("polar store: %s still running after close()", ", ".join(alive))
+                return
+            self._dirlock.release()
 
     @property
     def stats(self) -> dict[str, Any]:
