@@ -21,6 +21,8 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from polar_mitm import __version__
 from polar_mitm.store import (
@@ -161,6 +163,7 @@ def test_shard_files_metadata_hive_partitions_and_names(out: Path) -> None:
         assert meta.metadata[b"producer"] == f"polar-mitm {__version__}".encode()
         assert pq.read_schema(path).field("started_at").type == pa.timestamp("us", tz="UTC")
         assert pq.ParquetFile(path).metadata.row_group(0).column(0).compression == "ZSTD"
+    (out / "calls" / "date=2023-11-14" / ".part-x-other-00000009.parquet.tmp").write_bytes(b"torn")
     dataset = ds.dataset(out / "calls", format="parquet", partitioning="hive")
     table = dataset.to_table()
     assert table.num_rows == 4 and "date" in table.column_names
@@ -264,11 +267,19 @@ def test_many_threads_append_concurrently(out: Path) -> None:
                 if i % 50 == 0:
                     store.append("traces", trace_row(t * per_thread + i))
 
+        flushes: list[bool] = []
+
+        def flusher() -> None:  # flush() and sync() from other threads meanwhile
+            for _ in range(5):
+                flushes.append(store.flush(timeout=30) and store.sync(timeout=30))
+
         workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        workers.append(threading.Thread(target=flusher))
         for w in workers:
             w.start()
         for w in workers:
             w.join()
+        assert flushes == [True] * 5
         assert store.flush(timeout=30)
         assert store.stats["appended"] == threads * per_thread + threads * 8
     raw = read_table(out, "calls", dedup=False)
@@ -403,6 +414,33 @@ def test_read_segment_bad_crc_and_huge_length() -> None:
             f.write(good + struct.pack("<II", 0xFFFFFFFF, 0) + b"x" * 10)
         payloads, damage = read_segment(path)
         assert payloads == [payload] and "implausible" in damage.reason
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=8),
+    cut=st.integers(0, 10_000),
+    # (eight zero bytes would be a valid empty record: length 0, crc32(b"") == 0)
+    garbage=st.binary(max_size=64).filter(lambda b: not b.startswith(bytes(8))),
+)
+def test_any_truncation_or_garbage_yields_an_intact_prefix(sizes, cut, garbage) -> None:
+    import tempfile
+
+    payloads = [
+        encode_record("calls", call_row(i, request_json="x" * n)) for i, n in enumerate(sizes)
+    ]
+    data = b"".join(frame(p) for p in payloads)
+    data = data[: cut % (len(data) + 1)] + garbage
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "seg-00000001.log")
+        with open(path, "wb") as f:
+            f.write(data)
+        got, damage = read_segment(path)
+    assert got == payloads[: len(got)]
+    intact = sum(len(frame(p)) for p in got)
+    assert (damage is None) == (intact == len(data))
+    if damage is not None:
+        assert damage.offset == intact and damage.skipped_bytes == len(data) - intact
 
 
 def test_manifest_listed_segment_is_not_rewritten(out: Path) -> None:
