@@ -37,7 +37,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from .. import __version__
-from .journal import _SWAP, TYPED_COLUMNS, fsync_dir
+from .journal import TYPED_COLUMNS, fsync_dir
 from .schema import SCHEMA_VERSION, SCHEMAS
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ PRODUCER = f"polar-mitm {__version__}"
 ROW_GROUP_TARGET_BYTES = 32 << 20
 ROW_GROUP_MAX_ROWS = 8192
 
-# Newest-first list of the columns a row's day is taken from.
+# The columns a row's day is taken from, first non-null wins.
 PARTITION_COLUMNS: dict[str, tuple[str, ...]] = {
     "calls": ("started_at", "finished_at"),
     "traces": ("created_at",),
@@ -105,7 +105,6 @@ def resolve_output(
 
 
 _CONVERT_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError)
-_MAX_LIST_VALUES = (1 << 31) - 1  # list<…> columns have int32 offsets
 
 # Per dataset: the schema without the raw-array columns; from_pylist reads only these keys.
 _SCALAR_SCHEMAS = {
@@ -115,7 +114,7 @@ _SCALAR_SCHEMAS = {
 
 
 class _TooManyValues(Exception):
-    pass
+    """More values than a list column's int32 offsets can address: split the rows."""
 
 
 def _list_column(values: list[Any], list_type: pa.DataType, typecode: str) -> pa.Array:
@@ -129,12 +128,8 @@ def _list_column(values: list[Any], list_type: pa.DataType, typecode: str) -> pa
         offsets.extend(accumulate(0 if v is None else len(v) for v in values))
     except OverflowError:
         raise _TooManyValues from None
+    # arrays and Arrow buffers are both in native byte order (only the journal bytes are fixed LE)
     data = b"".join([memoryview(v) for v in values if v])
-    if _SWAP:
-        swapped = array(typecode)
-        swapped.frombytes(data)
-        swapped.byteswap()
-        data = swapped.tobytes()
     child = pa.Array.from_buffers(list_type.value_type, offsets[-1], [None, pa.py_buffer(data)])
     offsets_array = pa.Array.from_buffers(
         pa.int32(), len(values) + 1, [None, pa.py_buffer(offsets)]
@@ -187,7 +182,7 @@ def to_table(
         parts = []
         for row in rows:
             try:
-                parts.append(_build(dataset, [row]))
+                parts.append(_build_split(dataset, [row]))
             except _CONVERT_ERRORS as exc:
                 rejected.append((row, f"{type(exc).__name__}: {exc}"))
         table = pa.concat_tables(parts) if parts else schema.empty_table()
