@@ -59,6 +59,8 @@ PARTITION_COLUMNS: dict[str, tuple[str, ...]] = {
     "traces": ("created_at",),
 }
 
+OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})
+
 TMP_SUFFIX = ".tmp"
 # Temp files of another proxy sharing the output are left alone unless this old: a crashed proxy that
 # never comes back would otherwise leave them forever.
@@ -327,7 +329,10 @@ class ShardWriter:
     def _write_remote(self, directory: str, name: str, table: pa.Table, dataset: str) -> str:
         fs = self.location.fs
         if directory not in self._dirs:
-            fs.create_dir(directory, recursive=True)
+            # Object stores have no directories: creating one would only add a marker object
+            # (and a HeadBucket round trip) per new day.
+            if fs.type_name not in OBJECT_STORES:
+                fs.create_dir(directory, recursive=True)
             self._dirs.add(directory)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, **self._options(dataset, table))
