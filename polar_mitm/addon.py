@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 import weakref
 from collections.abc import Sequence
 from urllib.parse import urlsplit
@@ -147,7 +146,6 @@ class StoreAddon:
     """Every finished call goes to the journal (fsynced) and from there into Parquet shards."""
 
     def __init__(self) -> None:
-        self.proxy_id = uuid.uuid4().hex[:8]
         self.store: Store | None = None
         self._started = False
 
@@ -178,7 +176,6 @@ class StoreAddon:
             self.store = Store(
                 output=opts.polar_output,
                 journal_dir=opts.polar_journal or None,
-                proxy_id=self.proxy_id,
                 flush_rows=opts.polar_flush_rows,
                 flush_age_s=opts.polar_flush_seconds,
             )
@@ -188,8 +185,13 @@ class StoreAddon:
     def running(self) -> None:
         if self.store is None or self._started:
             return
+        try:
+            report = self.store.start()
+        except (RuntimeError, OSError) as e:  # e.g. another proxy holds this journal dir
+            log.error("polar_output: %s", e)
+            self.store = None
+            return
         self._started = True
-        report = self.store.start()
         log.info("polar-mitm: writing to %s (%s)", ctx.options.polar_output, report)
 
     def done(self) -> None:
@@ -199,6 +201,7 @@ class StoreAddon:
 
     def call_finished(self, record: CallRecord) -> None:
         if self.store is not None:
+            record.proxy_id = self.store.proxy_id
             self.store.append("calls", record.to_row())
 
 
@@ -207,11 +210,9 @@ class CaptureAddon:
         self,
         identity: RolloutIdentityAddon,
         sinks: Sequence[CallSink],
-        proxy_id: str | None = None,
     ) -> None:
         self.identity = identity
         self.sinks = list(sinks)
-        self.proxy_id = proxy_id
         self.gateway = Gateway()
         self.upstream: Upstream | None = None
         self.hosts: frozenset[str] = frozenset()
@@ -369,7 +370,6 @@ class CaptureAddon:
             group_id=identity.group_id,
             sample_index=identity.sample_index,
             session_id=identity.session_id,
-            proxy_id=self.proxy_id,
             dialect=dialect.name,
             method=flow.request.method,
             host=flow.request.host,
@@ -481,5 +481,5 @@ def polar_addons() -> list[object]:
     """The addons of `mitmdump -s addons/polar.py`, wired together."""
     identity = RolloutIdentityAddon()
     store = StoreAddon()
-    capture = CaptureAddon(identity, sinks=[store], proxy_id=store.proxy_id)
+    capture = CaptureAddon(identity, sinks=[store])
     return [ProxySetup(), identity, TokenizerAddon(), store, capture]

@@ -28,18 +28,36 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--confdir", type=click.Path(file_okay=False), default=str(DEFAULT_CONFDIR),
-              show_default=True, help="mitmproxy confdir holding the CA.")
+@click.option(
+    "--confdir",
+    type=click.Path(file_okay=False),
+    default=str(DEFAULT_CONFDIR),
+    show_default=True,
+    help="mitmproxy confdir holding the CA.",
+)
 def certs(confdir: str) -> None:
     """Create the proxy's CA (once) and print the certificate path harnesses must trust."""
     click.echo(ensure_ca(confdir))
 
 
 @main.command()
-@click.option("--proxy", required=True, help="The proxy as harness containers reach it, e.g. http://10.0.0.5:8080.")
-@click.option("--rollout", default=None, help="Rollout id (GRPO: <group>.<sample>) put in the proxy URL's credentials.")
-@click.option("--confdir", type=click.Path(file_okay=False), default=str(DEFAULT_CONFDIR),
-              show_default=True, help="mitmproxy confdir holding the CA.")
+@click.option(
+    "--proxy",
+    required=True,
+    help="The proxy as harness containers reach it, e.g. http://10.0.0.5:8080.",
+)
+@click.option(
+    "--rollout",
+    default=None,
+    help="Rollout id (GRPO: <group>.<sample>) put in the proxy URL's credentials.",
+)
+@click.option(
+    "--confdir",
+    type=click.Path(file_okay=False),
+    default=str(DEFAULT_CONFDIR),
+    show_default=True,
+    help="mitmproxy confdir holding the CA.",
+)
 def env(proxy: str, rollout: str | None, confdir: str) -> None:
     """Print the `export` lines a harness container needs to go through the proxy.
 
@@ -75,18 +93,60 @@ def summary(directory: str, as_json: bool) -> None:
     if not rollouts:
         fail(f"no captured calls under {directory}")
     table = Table(title=f"polar-mitm capture: {directory}")
-    for name in ("rollout", "group", "calls", "prompt tokens", "sampled tokens", "errors", "dialects"):
+    for name in (
+        "rollout",
+        "group",
+        "calls",
+        "prompt tokens",
+        "sampled tokens",
+        "errors",
+        "dialects",
+    ):
         numeric = "tokens" in name or name in ("calls", "errors")
         table.add_column(name, justify="right" if numeric else "left", no_wrap=not numeric)
     for r in rollouts:
-        table.add_row(r.rollout_id, r.group_id or "-", str(r.calls), str(r.prompt_tokens),
-                      str(r.output_tokens), str(r.errors), ",".join(r.dialects))
+        table.add_row(
+            r.rollout_id,
+            r.group_id or "-",
+            str(r.calls),
+            str(r.prompt_tokens),
+            str(r.output_tokens),
+            str(r.errors),
+            ",".join(r.dialects),
+        )
     table.add_section()
-    table.add_row("total", "", str(sum(r.calls for r in rollouts)),
-                  str(sum(r.prompt_tokens for r in rollouts)),
-                  str(sum(r.output_tokens for r in rollouts)),
-                  str(sum(r.errors for r in rollouts)), "")
+    table.add_row(
+        "total",
+        "",
+        str(sum(r.calls for r in rollouts)),
+        str(sum(r.prompt_tokens for r in rollouts)),
+        str(sum(r.output_tokens for r in rollouts)),
+        str(sum(r.errors for r in rollouts)),
+        "",
+    )
     console.print(table)
+
+
+@main.command()
+@click.argument("directory", type=click.Path())
+@click.option(
+    "--journal",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Journal dir (default: DIRECTORY/_journal).",
+)
+def recover(directory: str, journal: str | None) -> None:
+    """Turn a journal left by a crashed proxy into shards (nothing is written twice).
+
+    The proxy does this itself at start-up; use this when it will not be restarted.
+    """
+    from .store import recover as recover_journal
+
+    try:
+        report = recover_journal(directory, journal_dir=journal)
+    except (OSError, ValueError, RuntimeError) as e:
+        fail(f"cannot recover {directory}: {e}")
+    click.echo(str(report))
 
 
 def _register_optional() -> None:
