@@ -1,19 +1,9 @@
-"""vLLM-faithful prompt rendering and scripted-turn tokenization with a Hugging Face tokenizer.
+"""Server-faithful prompt rendering and scripted-turn tokenization with a Hugging Face tokenizer.
 
-The reference server is only useful if its ``prompt_token_ids`` are the ones vLLM would compute for the
-same request, so this module reproduces vLLM's message normalization for a *string-content* chat
-template such as Qwen3's (``vllm/entrypoints/chat_utils.py``: ``_parse_chat_message_content`` and
-``_postprocess_messages``; tools are ``ChatCompletionToolsParam.model_dump()``):
-
-* text content parts (``text``/``input_text``/``output_text``, ``refusal``, ``thinking``) are joined
-  with ``"\\n"``; missing or ``null`` content becomes ``""``;
-* an assistant message's ``reasoning`` (or the deprecated ``reasoning_content``, which vLLM renames on
-  input) is handed to the template as both ``reasoning`` and ``reasoning_content``;
-* assistant ``tool_calls`` with JSON-string ``arguments`` are parsed to objects (invalid JSON -> ``{}``),
-  an empty ``tool_calls`` list is dropped;
-* every other message key but ``name`` and a tool message's ``tool_call_id`` is dropped;
-* each tool becomes ``{"type": "function", "function": {"name", "description", "parameters"}}`` with
-  ``null`` for a missing description/parameters, as pydantic's ``model_dump`` writes them.
+The reference server is only useful if its ``prompt_token_ids`` are the ones the real server would
+compute for the same request. The request normalization that decides this (content parts, tool-call
+arguments, prior reasoning, tools) lives in :mod:`polar_mitm.conversation`, shared with the proxy's
+no-ids fallback; its names are re-exported here.
 
 A scripted turn's output ids are the real tokenization of the assistant turn as the chat template
 renders it: the conversation plus the scripted message is rendered without a generation prompt, the
@@ -31,8 +21,6 @@ Results are cached (LRU keyed by a hash of the request), so a benchmark can driv
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
 import logging
 import threading
@@ -42,193 +30,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..conversation import (
+    RenderInput,
+    RequestError,
+    normalize_messages,
+    normalize_tools,
+    template_kwargs,
+)
 from .scenario import Turn
 
+__all__ = [
+    "Completion",
+    "Prompt",
+    "RenderInput",
+    "Renderer",
+    "RequestError",
+    "normalize_messages",
+    "normalize_tools",
+    "template_kwargs",
+]
+
 log = logging.getLogger(__name__)
-
-_TEXT_PART_KEYS = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "refusal": "refusal",
-    "thinking": "thinking",
-}
-# apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would change
-# what transformers does rather than reach the template, which vLLM never does.
-_RESERVED_TEMPLATE_KWARGS = {
-    "conversation",
-    "tools",
-    "documents",
-    "chat_template",
-    "add_generation_prompt",
-    "continue_final_message",
-    "tokenize",
-    "padding",
-    "truncation",
-    "max_length",
-    "return_tensors",
-    "return_dict",
-    "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
-    "sanitize_control_tokens",
-}
-
-
-class RequestError(ValueError):
-    """The request cannot be rendered (vLLM answers these with 400 BadRequestError)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def _content_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where}.content must be a string or a list of parts", param="messages")
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, Mapping):
-            raise RequestError(f"{where}.content parts must be objects", param="messages")
-        key = _TEXT_PART_KEYS.get(part.get("type", "text"))
-        if key is None:
-            raise RequestError(
-                f"Unsupported chat content part type: {part.get('type')!r} "
-                "(the reference policy server renders text only).",
-                param="type",
-            )
-        text = part.get(key)
-        if text is None:  # vLLM skips text parts without text
-            continue
-        texts.append(str(text))
-    return "\n".join(texts)
-
-
-def _normalize_tool_call(call: Any) -> Any:
-    call = copy.deepcopy(call)
-    function = call.get("function") if isinstance(call, dict) else None
-    if isinstance(function, dict):
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                function["arguments"] = json.loads(arguments)
-            except json.JSONDecodeError:
-                function["arguments"] = {}
-        elif not isinstance(arguments, dict | list):
-            function["arguments"] = {}
-    return call
-
-
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """vLLM's conversation for a string-content template (see the module docstring)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list", param="messages")
-    conversation = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise RequestError(f"{where} must be an object with a string 'role'", param="messages")
-        role = message["role"]
-        out: dict[str, Any] = {
-            "role": role,
-            "content": _content_text(message.get("content"), where),
-        }
-        if role == "assistant":
-            tool_calls = message.get("tool_calls")
-            if isinstance(tool_calls, list) and tool_calls:
-                out["tool_calls"] = [_normalize_tool_call(c) for c in tool_calls]
-            reasoning = message.get("reasoning")
-            if reasoning is None:
-                reasoning = message.get("reasoning_content")
-            if reasoning is not None:
-                out["reasoning"] = out["reasoning_content"] = str(reasoning)
-        elif role == "tool" and "tool_call_id" in message:
-            out["tool_call_id"] = message["tool_call_id"]
-        if isinstance(message.get("name"), str):
-            out["name"] = message["name"]
-        conversation.append(out)
-    return conversation
-
-
-def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """``[tool.model_dump() for tool in request.tools]`` as vLLM hands tools to the template."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not tools:
-        raise RequestError(
-            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
-            param="tools",
-        )
-    out = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
-            raise RequestError(f"tools[{i}] must be a function tool", param="tools")
-        if not isinstance(function.get("name"), str):
-            raise RequestError(f"tools[{i}].function.name must be a string", param="tools")
-        fn: dict[str, Any] = {
-            "name": function["name"],
-            "description": function.get("description"),
-            "parameters": function.get("parameters"),
-        }
-        for optional in ("strict", "defer_loading"):
-            if function.get(optional) is not None:
-                fn[optional] = function[optional]
-        entry: dict[str, Any] = {"type": "function", "function": fn}
-        if tool.get("defer_loading") is not None:
-            entry["defer_loading"] = tool["defer_loading"]
-        out.append(entry)
-    return out
-
-
-def template_kwargs(chat_template_kwargs: Any, reasoning_effort: Any = None) -> dict[str, Any]:
-    """The extra template variables vLLM passes: the request's ``chat_template_kwargs`` (minus
-    ``apply_chat_template``'s own parameter names) and ``enable_thinking`` derived from
-    ``reasoning_effort`` when the request did not set it (newer vLLM)."""
-    if chat_template_kwargs is None:
-        kwargs: dict[str, Any] = {}
-    elif isinstance(chat_template_kwargs, Mapping):
-        kwargs = {
-            k: v for k, v in chat_template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS
-        }
-    else:
-        raise RequestError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    if reasoning_effort is not None and "enable_thinking" not in kwargs:
-        kwargs["enable_thinking"] = reasoning_effort != "none"
-    return kwargs
-
-
-@dataclass(frozen=True)
-class RenderInput:
-    """Everything that determines a prompt: normalized, so equal inputs hash equally."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    kwargs: dict[str, Any]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-
-    @property
-    def key(self) -> str:
-        blob = json.dumps(
-            [
-                self.messages,
-                self.tools,
-                self.kwargs,
-                self.add_generation_prompt,
-                self.continue_final_message,
-            ],
-            sort_keys=True,
-            ensure_ascii=False,
-            default=str,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,15 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from ..conversation import (
+    RenderInput,
+    RequestError,
+    normalize_messages,
+    normalize_tools,
+    template_kwargs,
+)
 from .generation import Sample
 from .parsers import StreamParser, make_tool_call_id, parse_output
-from .render import RenderInput, RequestError, normalize_messages, normalize_tools, template_kwargs
 from .wire import ChatCall, ReplyPlan, WireError
 
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
