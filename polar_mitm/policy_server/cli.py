@@ -100,6 +100,12 @@ async def _serve(config, host: str, port: int) -> None:
     help="Context length (default: the tokenizer's).",
 )
 @click.option(
+    "--ignore-token-flags",
+    is_flag=True,
+    help="Ignore the token-id request flags (return_token_ids, return_prompt_token_ids, "
+    "return_meta_info), like a server that predates them or a plain OpenAI-compatible one.",
+)
+@click.option(
     "--log-level", default="WARNING", show_default=True, help="Python logging level (to stderr)."
 )
 def policy_server(
@@ -113,9 +119,10 @@ def policy_server(
     reasoning_field: str,
     kind: str,
     max_model_len: int | None,
+    ignore_token_flags: bool,
     log_level: str,
 ) -> None:
-    """Serve scripted coding-agent turns in vLLM's exact chat-completions wire format."""
+    """Serve scripted coding-agent turns in vLLM's or SGLang's chat-completions wire format."""
     from .server import ServerConfig
 
     logging.basicConfig(
@@ -134,6 +141,7 @@ def policy_server(
         reasoning_field=reasoning_field,
         kind=kind,
         max_model_len=max_model_len,
+        ignore_token_flags=ignore_token_flags,
     )
     try:
         asyncio.run(_serve(config, host, port))

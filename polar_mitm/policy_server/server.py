@@ -32,16 +32,10 @@ from typing import Any
 
 from aiohttp import web
 
+from ..conversation import RequestError, render_input
 from .faults import apply_fault
 from .generation import sample
-from .render import (
-    Renderer,
-    RenderInput,
-    RequestError,
-    normalize_messages,
-    normalize_tools,
-    template_kwargs,
-)
+from .render import Renderer
 from .scenario import Scenario
 from .wire import WIRE_KINDS, ChatCall, ReplyPlan, Wire, WireError
 
@@ -49,6 +43,15 @@ log = logging.getLogger(__name__)
 
 HOLD_TIMEOUT_S = 30.0
 REQUEST_LOG_SIZE = 100
+#: The request flags that ask a server for token ids; --ignore-token-flags drops them unread, as a
+#: server that does not know them (vLLM < 0.10.2, SGLang before PR #23751, plain servers) would.
+TOKEN_FLAGS = (
+    "return_token_ids",
+    "return_prompt_token_ids",
+    "return_meta_info",
+    "return_input_ids",
+    "return_output_ids",
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class ServerConfig:
     reasoning_field: str = "reasoning"
     kind: str = "vllm"
     max_model_len: int | None = None  # default: the tokenizer's model_max_length
+    ignore_token_flags: bool = False  # act like a server without token ids (old vLLM/SGLang, plain)
 
 
 class Control:
@@ -277,6 +281,8 @@ class PolicyServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
+        if self.config.ignore_token_flags and isinstance(body, dict):
+            body = {k: v for k, v in body.items() if k not in TOKEN_FLAGS}
         call = self.wire.parse_chat(body, self.served_model)
         try:
             plan = await asyncio.to_thread(self.plan, call)
@@ -292,13 +298,7 @@ class PolicyServer:
 
     def _tokenize_ids(self, body: dict[str, Any]) -> list[int]:
         if "messages" in body:
-            inp = RenderInput(
-                messages=normalize_messages(body["messages"]),
-                tools=normalize_tools(body.get("tools")),
-                kwargs=template_kwargs(body.get("chat_template_kwargs")),
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                continue_final_message=bool(body.get("continue_final_message", False)),
-            )
+            inp = render_input(body, getattr(self.wire, "flavor", "vllm"))
             return list(self.renderer.prompt(inp).ids)
         if isinstance(body.get("prompt"), str):
             return self.renderer.encode_text(

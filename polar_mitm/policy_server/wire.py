@@ -1,4 +1,4 @@
-"""The seam between the server and a policy-server wire format (vLLM today, SGLang later).
+"""The seam between the server and a policy-server wire format (vLLM, SGLang).
 
 A wire kind is one module with one class implementing :class:`Wire`: it turns a request body into a
 kind-neutral :class:`ChatCall`, and a :class:`~polar_mitm.policy_server.generation.Sample` into a
@@ -106,5 +106,11 @@ def _vllm(**options: Any) -> Wire:
     return VllmWire(**options)
 
 
+def _sglang(**options: Any) -> Wire:
+    from .sglang_wire import SglangWire
+
+    return SglangWire(**options)
+
+
 #: Wire kinds by ``--kind`` name; each factory takes the kind's own options as keywords.
-WIRE_KINDS: dict[str, Callable[..., Wire]] = {"vllm": _vllm}
+WIRE_KINDS: dict[str, Callable[..., Wire]] = {"vllm": _vllm, "sglang": _sglang}
