@@ -4,6 +4,7 @@ One class per concern, composed in `addons/polar.py`:
 - `ProxySetup`: the proxy settings polar-mitm needs (lazy connections, CA in certs/, loopback);
 - `RolloutIdentityAddon`: remembers proxy credentials per client connection;
 - `TokenizerAddon`: loads the policy tokenizer (`polar_tokenizer`);
+- `RetokenizeAddon`: the no-ids fallback built on it (`polar_trust_retokenized`);
 - `StoreAddon`: the journal and Parquet shards under `polar_output`;
 - `CaptureAddon`: detects LLM calls on `polar_hosts`, sends them to the policy server through the
   in-process gateway, answers the other paths of those hosts.
@@ -11,6 +12,7 @@ One class per concern, composed in `addons/polar.py`:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import weakref
@@ -36,8 +38,9 @@ from .exchange import Call, UpstreamSettings
 from .fidelity import PolicyTokenizer, TokenizerError, load_tokenizer
 from .gateway import Gateway
 from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, resolve
+from .retokenize import Retokenizer
 from .store import Store
-from .upstream import UPSTREAMS, Upstream
+from .upstream import UPSTREAMS, Upstream, kind_from_models
 
 log = logging.getLogger("polar_mitm")
 DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,chatgpt.com"
@@ -142,6 +145,47 @@ class TokenizerAddon:
             _errors.fail(f"polar_tokenizer: {e}")
 
 
+class RetokenizeAddon:
+    """The fallback for servers that return no token ids: ids recomputed with polar_tokenizer,
+    checked against the server's usage and flagged (see retokenize.py)."""
+
+    def __init__(self, tokenizer: TokenizerAddon) -> None:
+        self.tokenizer = tokenizer
+        self.retokenizer: Retokenizer | None = None
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_trust_retokenized",
+            bool,
+            False,
+            "Mark records whose ids were recomputed with polar_tokenizer (the server returned "
+            "none) trainable when both token counts match the server's usage. Off: such records "
+            "are kept but never trainable, since retokenized text need not be what was sampled.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if not {"polar_tokenizer", "polar_trust_retokenized"} & updated:
+            return
+        tok = self.tokenizer.tokenizer
+        self.retokenizer = (
+            Retokenizer(tok, trust=ctx.options.polar_trust_retokenized) if tok is not None else None
+        )
+
+    def describe(self) -> str:
+        """One phrase for the start-up line."""
+        r = self.retokenizer
+        if r is None:
+            return "no-ids fallback off (no polar_tokenizer)"
+        if not r.available:
+            return f"no-ids fallback off ({r.tokenizer.spec} has no chat template)"
+        trust = ", trusted" if r.trust else ""
+        return f"no-ids fallback: retokenize with {r.tokenizer.spec}{trust}"
+
+    async def drain(self) -> None:
+        if self.retokenizer is not None:
+            await self.retokenizer.drain()
+
+
 class StoreAddon:
     """Every finished call goes to the journal (fsynced) and from there into Parquet shards."""
 
@@ -210,11 +254,15 @@ class CaptureAddon:
         self,
         identity: RolloutIdentityAddon,
         sinks: Sequence[CallSink],
+        retokenize: RetokenizeAddon | None = None,
     ) -> None:
         self.identity = identity
         self.sinks = list(sinks)
+        self.retokenize = retokenize
         self.gateway = Gateway()
         self.upstream: Upstream | None = None
+        self.auto_base: str | None = None  # polar_upstream_kind=auto: the URL still to probe
+        self._probe_lock = asyncio.Lock()
         self.hosts: frozenset[str] = frozenset()
         self.served_model: str | None = None
         self.live: dict[str, Call] = {}
@@ -226,7 +274,14 @@ class CaptureAddon:
             "",
             "Base URL of the policy server (vLLM or SGLang), e.g. http://127.0.0.1:8000. Required.",
         )
-        loader.add_option("polar_upstream_kind", str, "vllm", "Policy server kind: vllm or sglang.")
+        loader.add_option(
+            "polar_upstream_kind",
+            str,
+            "vllm",
+            "Policy server kind: vllm, sglang, openai (a plain OpenAI-compatible server that "
+            "returns no token ids: every record is retokenized) or auto (probe GET /v1/models "
+            "once at start-up).",
+        )
         loader.add_option(
             "polar_model",
             str,
@@ -262,6 +317,7 @@ class CaptureAddon:
         opts = ctx.options
         if {"polar_upstream", "polar_upstream_kind"} & updated:
             self.upstream = None
+            self.auto_base = None
             url = opts.polar_upstream
             if not url:
                 _errors.fail(
@@ -274,15 +330,19 @@ class CaptureAddon:
                 _errors.fail(f"polar_upstream: {url!r} is not an http(s)://HOST[:PORT] URL")
                 return
             kind = opts.polar_upstream_kind
-            if kind not in UPSTREAMS:
+            if kind not in UPSTREAMS and kind != "auto":
                 _errors.fail(
-                    f"polar_upstream_kind: unknown kind {kind!r} (choose from {', '.join(UPSTREAMS)})"
+                    f"polar_upstream_kind: unknown kind {kind!r} "
+                    f"(choose from {', '.join(UPSTREAMS)}, auto)"
                 )
                 return
             base = url.rstrip("/")
             if base.endswith("/v1"):
                 base = base[:-3]
-            self.upstream = UPSTREAMS[kind](base)
+            if kind == "auto":
+                self.auto_base = base
+            else:
+                self.upstream = UPSTREAMS[kind](base)
         if "polar_hosts" in updated:
             self.hosts = frozenset(
                 h.strip().lower() for h in opts.polar_hosts.split(",") if h.strip()
@@ -296,19 +356,32 @@ class CaptureAddon:
         await self.gateway.start(
             ctx.options.polar_connect_timeout, ctx.options.polar_upstream_timeout
         )
+        if self.auto_base is not None:
+            await self._probe_kind(announce=True)
         model = await self._served_model(announce=True)
-        if self.upstream is not None:
-            log.info(
-                "polar-mitm: capturing %s -> %s upstream %s (model %s)",
-                ",".join(sorted(self.hosts)),
-                self.upstream.kind,
-                self.upstream.base_url,
-                model or "not known yet",
+        upstream = self.upstream
+        fallback = f"; {self.retokenize.describe()}" if self.retokenize is not None else ""
+        log.info(
+            "polar-mitm: capturing %s -> %s upstream %s (model %s%s)",
+            ",".join(sorted(self.hosts)),
+            upstream.kind if upstream is not None else "auto (not probed yet)",
+            upstream.base_url if upstream is not None else self.auto_base,
+            model or "not known yet",
+            fallback,
+        )
+        off = self.retokenize is None or self.retokenize.retokenizer is None
+        if upstream is not None and not upstream.returns_ids and off:
+            log.warning(
+                "polar-mitm: polar_upstream_kind=%s returns no token ids and polar_tokenizer is "
+                "not set: records will have no ids (set polar_tokenizer to retokenize)",
+                upstream.kind,
             )
 
     async def done(self) -> None:
         for call in list(self.live.values()):
             call.finish("incomplete", "the proxy shut down mid-call")
+        if self.retokenize is not None:
+            await self.retokenize.drain()
         await self.gateway.stop()
 
     # -- hooks --------------------------------------------------------------------------
@@ -333,6 +406,9 @@ class CaptureAddon:
         if dialect is None:
             self._other_path(flow)
             return
+        if self.upstream is None and self.auto_base is not None:
+            await self.gateway.ready.wait()
+            await self._probe_kind()
         if self.upstream is None:
             flow.response = http.Response.make(
                 502,
@@ -404,6 +480,7 @@ class CaptureAddon:
             await self._served_model(),
             ctx.options.polar_connect_timeout,
             ctx.options.polar_upstream_timeout,
+            self.retokenize.retokenizer if self.retokenize is not None else None,
         )
         call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
         self.live[record.call_id] = call
@@ -455,6 +532,34 @@ class CaptureAddon:
             },
         )
 
+    async def _probe_kind(self, announce: bool = False) -> None:
+        """polar_upstream_kind=auto: ask GET /v1/models once who answers, and say so in one line."""
+        async with self._probe_lock:
+            await self._probe_kind_once(announce)
+
+    async def _probe_kind_once(self, announce: bool) -> None:
+        base = self.auto_base
+        if base is None or self.gateway.session is None:
+            return
+        try:
+            async with self.gateway.session.get(
+                base + "/v1/models", timeout=aiohttp.ClientTimeout(total=3)
+            ) as r:
+                data = await r.json(content_type=None)
+        except Exception as e:
+            if announce:
+                log.warning(
+                    "polar-mitm: polar_upstream_kind=auto: %s cannot be probed yet (%s); "
+                    "probing again on the first call",
+                    base,
+                    e or type(e).__name__,
+                )
+            return
+        kind, evidence = kind_from_models(data)
+        self.upstream = UPSTREAMS[kind](base)
+        self.auto_base = None
+        log.info("polar-mitm: polar_upstream_kind=auto: %s is %s (%s)", base, kind, evidence)
+
     async def _served_model(self, announce: bool = False) -> str | None:
         """polar_model, or the first model the server lists (asked until it answers)."""
         if self.served_model or self.upstream is None or self.gateway.session is None:
@@ -480,6 +585,8 @@ class CaptureAddon:
 def polar_addons() -> list[object]:
     """The addons of `mitmdump -s addons/polar.py`, wired together."""
     identity = RolloutIdentityAddon()
+    tokenizer = TokenizerAddon()
+    retokenize = RetokenizeAddon(tokenizer)
     store = StoreAddon()
-    capture = CaptureAddon(identity, sinks=[store])
-    return [ProxySetup(), identity, TokenizerAddon(), store, capture]
+    capture = CaptureAddon(identity, sinks=[store], retokenize=retokenize)
+    return [ProxySetup(), identity, tokenizer, retokenize, store, capture]

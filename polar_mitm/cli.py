@@ -100,9 +100,10 @@ def summary(directory: str, as_json: bool) -> None:
         "prompt tokens",
         "sampled tokens",
         "errors",
+        "retokenized",
         "dialects",
     ):
-        numeric = "tokens" in name or name in ("calls", "errors")
+        numeric = "tokens" in name or name in ("calls", "errors", "retokenized")
         table.add_column(name, justify="right" if numeric else "left", no_wrap=not numeric)
     for r in rollouts:
         table.add_row(
@@ -112,6 +113,7 @@ def summary(directory: str, as_json: bool) -> None:
             str(r.prompt_tokens),
             str(r.output_tokens),
             str(r.errors),
+            str(r.retokenized),
             ",".join(r.dialects),
         )
     table.add_section()
@@ -122,6 +124,7 @@ def summary(directory: str, as_json: bool) -> None:
         str(sum(r.prompt_tokens for r in rollouts)),
         str(sum(r.output_tokens for r in rollouts)),
         str(sum(r.errors for r in rollouts)),
+        str(sum(r.retokenized for r in rollouts)),
         "",
     )
     console.print(table)

@@ -21,6 +21,7 @@ import aiohttp
 from .assemble import ChatAssembler, reply_to_chunks
 from .capture import CallRecord, CallSink, deliver, now_us, redacted_json
 from .dialects import Dialect, HarnessRequest
+from .retokenize import RetokenizeJob, Retokenizer
 from .sse import SSEParser
 from .upstream import TokenTally, Upstream
 
@@ -51,6 +52,7 @@ class UpstreamSettings:
     model: str | None
     connect_timeout: float = 10.0
     stall_timeout: float = 300.0
+    retokenizer: Retokenizer | None = None  # the no-ids fallback, when polar_tokenizer allows it
 
 
 class UpstreamFailed(Exception):
@@ -81,6 +83,7 @@ class Call:
         self.on_done = on_done
         self.tally = TokenTally()
         self.assembler = ChatAssembler()
+        self.upstream_body: dict[str, Any] | None = None
         self.task: asyncio.Task | None = None
         self._finished = False
 
@@ -97,6 +100,7 @@ class Call:
             top_logprobs=self.req.top_logprobs,
         )
         self.record.model_served = body.get("model")
+        self.upstream_body = body
         try:
             async with session.post(upstream.chat_url, json=body) as resp:
                 if resp.status != 200:
@@ -240,10 +244,13 @@ class Call:
             record.usage_json = json.dumps(tally.usage)
             record.usage_prompt_tokens = _int_or_none(tally.usage.get("prompt_tokens"))
             record.usage_completion_tokens = _int_or_none(tally.usage.get("completion_tokens"))
-        record.count_check = tally.count_check()
+        record.count_check = tally.count_check() if tally.saw_output_ids else None
         if record.count_check == "mismatch":
             record.flag("count_mismatch")
-        if tally.prompt_ids is not None and tally.saw_output_ids:
+        for flag in tally.flags:
+            record.flag(flag)
+        has_ids = tally.prompt_ids is not None and tally.saw_output_ids
+        if has_ids:
             record.ids_source = "upstream"
         else:
             record.ids_source = "none"
@@ -256,6 +263,30 @@ class Call:
         record.trainable = (
             status == "completed" and record.ids_source == "upstream" and not record.fidelity_flags
         )
+        fallback = self.settings.retokenizer
+        if status == "completed" and not has_ids:
+            if fallback is not None and fallback.available and self.upstream_body is not None:
+                self.settings.upstream.warn_missing_ids(
+                    "retokenizing with polar_tokenizer: those records say ids_source=retokenized "
+                    "and are not trainable unless polar_trust_retokenized is set"
+                )
+                record.fidelity_flags.remove("missing_token_ids")
+                job = RetokenizeJob(
+                    record,
+                    self.upstream_body,
+                    self.assembler.message(),
+                    self.settings.upstream.template_flavor,
+                    prompt_ids=tally.prompt_ids,
+                    output_ids=tally.output_ids if tally.saw_output_ids else None,
+                )
+                fallback.submit(job, lambda: deliver(record, self.sinks))
+                if self.on_done is not None:
+                    self.on_done(self)
+                return
+            self.settings.upstream.warn_missing_ids(
+                "set polar_tokenizer (a Hugging Face tokenizer dir with the chat template) to "
+                "retokenize; until then those records have no ids (flag missing_token_ids)"
+            )
         deliver(record, self.sinks)
         if self.on_done is not None:
             self.on_done(self)

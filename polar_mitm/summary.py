@@ -17,6 +17,7 @@ class RolloutSummary:
     prompt_tokens: int = 0
     output_tokens: int = 0
     errors: int = 0
+    retokenized: int = 0  # calls whose ids the proxy recomputed (the server returned none)
     statuses: dict[str, int] = field(default_factory=dict)
     dialects: list[str] = field(default_factory=list)
 
@@ -35,6 +36,7 @@ def summarize_calls(calls: pa.Table) -> list[RolloutSummary]:
     groups = calls["group_id"].to_pylist()
     statuses = calls["status"].to_pylist()
     dialects = calls["dialect"].to_pylist()
+    sources = calls["ids_source"].to_pylist() if "ids_source" in calls.column_names else []
     out: dict[str, RolloutSummary] = {}
     for i in order:
         s = out.get(rollouts[i])
@@ -47,6 +49,8 @@ def summarize_calls(calls: pa.Table) -> list[RolloutSummary]:
         s.statuses[status] = s.statuses.get(status, 0) + 1
         if status != "completed":
             s.errors += 1
+        if sources and sources[i] == "retokenized":
+            s.retokenized += 1
         if dialects[i] and dialects[i] not in s.dialects:
             s.dialects.append(dialects[i])
     return list(out.values())

@@ -8,9 +8,12 @@ chat-completions objects. Adding a server is one module with one `Upstream` subc
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+log = logging.getLogger("polar_mitm")
 
 
 @dataclass(slots=True)
@@ -24,6 +27,7 @@ class TokenTally:
     usage: dict[str, Any] | None = None
     model: str | None = None
     saw_output_ids: bool = False  # the server sent an output-ids field at all (even empty)
+    flags: list[str] = field(default_factory=list)  # anomalies in the token fields (record flags)
 
     def count_check(self) -> str:
         """`ok` when the sampled ids match the server's usage count (a vLLM bug once dropped
@@ -40,9 +44,28 @@ class Upstream(ABC):
     # call goes upstream non-streaming and the harness's stream is synthesized.
     streams_with_tokens: ClassVar[bool] = True
     chat_path: ClassVar[str] = "/v1/chat/completions"
+    # How this server normalizes a conversation before its chat template (`conversation.py`):
+    # what the no-ids fallback must reproduce to recompute prompt ids.
+    template_flavor: ClassVar[str] = "vllm"
+    # False for servers that never return token ids (kind `openai`): every record is retokenized.
+    returns_ids: ClassVar[bool] = True
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")
+        self._warned_missing_ids = False
+
+    def warn_missing_ids(self, fallback: str) -> None:
+        """Say once per upstream (not per call) that a reply came back without token ids."""
+        if self._warned_missing_ids or not self.returns_ids:
+            return
+        self._warned_missing_ids = True
+        log.warning(
+            "polar-mitm: upstream %s (%s) returned no token ids: the server ignores the token "
+            "flags (older than the versions in docs/upstreams.md?); %s",
+            self.base_url,
+            self.kind,
+            fallback,
+        )
 
     @property
     def chat_url(self) -> str:
