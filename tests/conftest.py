@@ -19,8 +19,9 @@ def confdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-# The policy-server wire kinds every dialect test runs against (SGLang joins with issue 4).
-UPSTREAM_KINDS = ["vllm"]
+# The policy-server wire kinds every dialect test runs against; tests/upstreams.py has each
+# kind's truth (ids straight from the server, expected prompt ids).
+UPSTREAM_KINDS = ["vllm", "sglang"]
 
 
 @pytest.fixture(params=UPSTREAM_KINDS)

@@ -24,9 +24,9 @@ from .clients import (
     http_client,
     openai_client,
     run_tool_conversation,
-    vllm_messages,
 )
 from .procs import MITMDUMP, ROOT, Proc, free_port
+from .upstreams import direct_ids, expected_prompt_ids
 
 SCENARIO = Path(__file__).parent / "scenarios" / "three_turns.json"
 
@@ -40,15 +40,6 @@ def calls_of(mitm) -> list[dict]:
     assert mitm.stop() == 0, mitm.proc.output()
     rows = read_table(str(mitm.output), "calls").to_pylist()
     return sorted(rows, key=lambda r: r["started_at"])
-
-
-def direct(server_url: str, messages: list[dict]) -> dict:
-    """What the policy server itself answers (no proxy), with the token fields."""
-    body = {"model": "Qwen/Qwen3-4B", "messages": messages, "tools": [RUN_SHELL],
-            "return_token_ids": True, "logprobs": True, "top_logprobs": 0}
-    r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
-    r.raise_for_status()
-    return r.json()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -71,15 +62,12 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
         assert row["rollout_id"] == "conv.1" and row["group_id"] == "conv" and row["sample_index"] == 1
         assert row["status"] == "completed" and row["stream"] is stream
         assert row["model_requested"] == "gpt-4.1-mini" and row["model_served"] == "Qwen/Qwen3-4B"
-        expected_prompt = qwen3.apply_chat_template(
-            vllm_messages(messages), tools=[RUN_SHELL], add_generation_prompt=True, tokenize=True
-        )["input_ids"]
+        expected_prompt = expected_prompt_ids(qwen3, upstream_kind, messages, [RUN_SHELL])
         assert row["prompt_token_ids"] == expected_prompt
-        truth = direct(server.url, messages)
-        assert row["prompt_token_ids"] == truth["prompt_token_ids"]
-        assert row["output_token_ids"] == truth["choices"][0]["token_ids"]
-        lps = [e["logprob"] for e in truth["choices"][0]["logprobs"]["content"]]
-        assert row["output_logprobs"] == pytest.approx(lps, abs=1e-6)
+        truth = direct_ids(server.url, upstream_kind, messages, [RUN_SHELL])
+        assert row["prompt_token_ids"] == truth.prompt_ids
+        assert row["output_token_ids"] == truth.output_ids
+        assert row["output_logprobs"] == pytest.approx(truth.logprobs, abs=1e-6)
         assert len(row["output_logprobs"]) == len(row["output_token_ids"]) > 0
         assert row["output_token_ids"][-1] == qwen3.convert_tokens_to_ids("<|im_end|>")
         assert row["count_check"] == "ok" and row["ids_source"] == "upstream"
@@ -90,10 +78,14 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
 
 
 def test_streaming_is_live(make_policy_server, make_mitm, upstream_kind):
-    """The server holds its last chunk until the client has read the first one: a proxy that
-    buffered the reply would deadlock here (until the server's 30 s hold timeout).
-    (SGLang cannot stream with token flags: there the hold is on the whole upstream reply, and
-    the test shows the harness's synthesized stream starts as soon as that reply arrives.)"""
+    """vLLM: the server holds its last chunk until the client has read the first one: a proxy
+    that buffered the reply would deadlock here (until the server's 30 s hold timeout).
+
+    SGLang cannot stream with token flags, so the proxy asks for the whole reply and the server
+    holds all of it. Then the client must have nothing while the server still holds the reply
+    (the proxy invents no content), the release must find the reply still held, and the harness's
+    synthesized stream must follow it. That the bytes are not kept behind the record's work
+    (retokenizing, sinks) is shown without timing in test_exchange.py."""
     server = make_policy_server(SCENARIO, kind=upstream_kind)
     mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
     first_chunk = threading.Event()
@@ -116,14 +108,35 @@ def test_streaming_is_live(make_policy_server, make_mitm, upstream_kind):
 
     reader = threading.Thread(target=read_stream)
     reader.start()
-    assert first_chunk.wait(20), "the first chunk did not reach the client before the last was sent"
-    released_at = time.monotonic()
-    httpx.post(server.url + "/_polar/release", timeout=10).raise_for_status()
+    if upstream_kind == "sglang":
+        wait_for_upstream_request(server.url)
+        assert not first_chunk.is_set(), "the client got content before the upstream replied"
+        released_at = time.monotonic()
+        r = httpx.post(server.url + "/_polar/release?wait=20", timeout=30)
+        assert r.json()["released"] == 1, "the server was not holding the reply"
+        assert first_chunk.wait(20), "the synthesized stream did not follow the upstream reply"
+    else:
+        assert first_chunk.wait(20), "the first chunk did not reach the client before the last was sent"
+        released_at = time.monotonic()
+        httpx.post(server.url + "/_polar/release", timeout=10).raise_for_status()
     reader.join(30)
     assert result["text"].strip() == "one two three four five six seven eight nine ten"
     assert result["done_at"] >= released_at
     [row] = calls_of(mitm)
     assert row["status"] == "completed" and row["stream"] is True
+    assert row["ids_source"] == "upstream" and row["trainable"] is True
+
+
+def wait_for_upstream_request(server_url: str, timeout: float = 20.0) -> dict:
+    """Block until the policy server has received a chat request (a handshake, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = httpx.get(server_url + "/_polar/requests", timeout=10).json()
+        chats = [e for e in log if e["path"] == "/v1/chat/completions"]
+        if chats:
+            return chats[-1]
+        time.sleep(0.05)
+    raise AssertionError("the proxy never sent the chat request upstream")
 
 
 def test_rollout_identity_sources(make_policy_server, make_mitm):

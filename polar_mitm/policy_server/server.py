@@ -5,7 +5,7 @@ Endpoints (vLLM kind):
 * ``POST /v1/chat/completions`` — scripted turns, streaming or not, with real token ids;
 * ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``;
 * test control under ``/_polar/``: ``POST /_polar/release`` (let held last chunks go; answers
-  ``{"released": n}``), ``GET /_polar/requests`` (the last 100 requests to the API endpoints, newest
+  ``{"released": n}``; ``?wait=S`` first waits up to S seconds until a reply is held), ``GET /_polar/requests`` (the last 100 requests to the API endpoints, newest
   last, as ``{"method", "path", "query", "headers", "body", "raw"}``: ``body`` is the decoded JSON or
   ``null``, ``raw`` the body text exactly as received), ``POST /_polar/reset`` (forget the log and let
   every held stream go).
@@ -75,12 +75,21 @@ class Control:
     def __init__(self) -> None:
         self.requests: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_SIZE)
         self._holds: set[asyncio.Event] = set()
+        self._held = asyncio.Event()  # set while at least one hold is registered
 
     def hold(self) -> asyncio.Event:
         """Register a hold *before* the stream starts, so a release that races the stream still counts."""
         event = asyncio.Event()
         self._holds.add(event)
+        self._held.set()
         return event
+
+    async def until_held(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until some reply is being held: ``release?wait=S``."""
+        try:
+            await asyncio.wait_for(self._held.wait(), timeout)
+        except TimeoutError:
+            pass
 
     async def wait(self, event: asyncio.Event) -> None:
         try:
@@ -90,16 +99,19 @@ class Control:
                 "held chunk released after %.0f s without POST /_polar/release", HOLD_TIMEOUT_S
             )
         finally:
-            self._holds.discard(event)
+            self.forget(event)
 
     def forget(self, event: asyncio.Event) -> None:
         self._holds.discard(event)
+        if not self._holds:
+            self._held.clear()
 
     def release(self) -> int:
         pending = [e for e in self._holds if not e.is_set()]
         for event in pending:
             event.set()
         self._holds.clear()
+        self._held.clear()
         return len(pending)
 
     def reset(self) -> None:
@@ -339,6 +351,12 @@ class PolicyServer:
         return _json({"prompt": self.renderer.decode(tokens)})
 
     async def release(self, request: web.Request) -> web.Response:
+        try:
+            wait = min(float(request.query.get("wait", 0)), HOLD_TIMEOUT_S)
+        except ValueError:
+            wait = 0.0
+        if wait > 0:
+            await self.control.until_held(wait)
         return _json({"released": self.control.release()})
 
     async def requests(self, request: web.Request) -> web.Response:
