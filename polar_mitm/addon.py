@@ -185,6 +185,11 @@ class RetokenizeAddon:
         if self.retokenizer is not None:
             await self.retokenizer.drain()
 
+    async def done(self) -> None:
+        # Runs before StoreAddon.done (addon order): records still being retokenized must reach
+        # the store before it closes.
+        await self.drain()
+
 
 class StoreAddon:
     """Every finished call goes to the journal (fsynced) and from there into Parquet shards."""

@@ -133,7 +133,7 @@ class Retokenizer:
             if job.prompt_ids is None:
                 result.prompt_ids = list(tok.encode(prompt_text, add_special_tokens=False))
             if job.output_ids is None:
-                reply = history_message(job.flavor, job.message)
+                reply = history_message(job.flavor, _as_parsed(job.message))
                 full_text = tok.apply_chat_template(
                     [*inp.messages, reply],
                     tools=inp.tools or None,
@@ -149,6 +149,17 @@ class Retokenizer:
                 ids = list(tok.encode(written, add_special_tokens=False))
                 result.output_ids = _cut_at_eos(ids, tok.eos_token_id, job.record.finish_reason)
         return result
+
+
+def _as_parsed(message: dict[str, Any]) -> dict[str, Any]:
+    """The reply with the whitespace around tool calls left to the template, as SGLang's parser
+    gives it: content before tool calls stripped (none if only whitespace). Parsers that keep it
+    (vLLM's hermes, streaming or not) return the template's own separators as content, and
+    rendering them again would double them."""
+    content = message.get("content")
+    if message.get("tool_calls") and isinstance(content, str):
+        return {**message, "content": content.strip() or None}
+    return message
 
 
 def _common_prefix(a: str, b: str) -> int:

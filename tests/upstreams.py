@@ -26,8 +26,9 @@ class Truth:
     reply: dict[str, Any]
 
 
-def direct_ids(server_url: str, kind: str, messages: list[dict], tools: list[dict] | None = None,
-               **extra: Any) -> Truth:
+def direct_ids(
+    server_url: str, kind: str, messages: list[dict], tools: list[dict] | None = None, **extra: Any
+) -> Truth:
     """The ids and logprobs the server itself returns for this request (non-streaming)."""
     body: dict[str, Any] = {"model": MODEL, "messages": messages, "logprobs": True, **extra}
     if tools:
@@ -42,8 +43,9 @@ def direct_ids(server_url: str, kind: str, messages: list[dict], tools: list[dic
     choice = reply["choices"][0]
     if kind == "sglang":
         triples = choice["meta_info"]["output_token_logprobs"]
-        return Truth(choice["prompt_token_ids"], [t[1] for t in triples], [t[0] for t in triples],
-                     reply)
+        return Truth(
+            choice["prompt_token_ids"], [t[1] for t in triples], [t[0] for t in triples], reply
+        )
     lps = [e["logprob"] for e in choice["logprobs"]["content"]]
     return Truth(reply["prompt_token_ids"], choice["token_ids"], lps, reply)
 
@@ -52,7 +54,10 @@ def _parsed_args(message: dict) -> dict:
     m = dict(message)
     if m.get("tool_calls"):
         m["tool_calls"] = [
-            {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            {
+                **c,
+                "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])},
+            }
             for c in m["tool_calls"]
         ]
     return m
@@ -102,8 +107,9 @@ def sglang_tools(tools: list[dict]) -> list[dict]:
     ]
 
 
-def expected_prompt_ids(tokenizer: Any, kind: str, messages: list[dict],
-                        tools: list[dict] | None = None) -> list[int]:
+def expected_prompt_ids(
+    tokenizer: Any, kind: str, messages: list[dict], tools: list[dict] | None = None
+) -> list[int]:
     """The Qwen3 prompt ids this kind of server computes for the messages (tool_choice auto)."""
     if kind == "sglang":
         conv, rendered_tools = sglang_conversation(messages), sglang_tools(tools) if tools else None

@@ -10,7 +10,6 @@ from .vllm import VLLM
 UPSTREAMS: dict[str, type[Upstream]] = {cls.kind: cls for cls in (VLLM, SGLang, OpenAICompatible)}
 
 
-
 def kind_from_models(data: object) -> tuple[str, str]:
     """``polar_upstream_kind=auto``: the kind a ``GET /v1/models`` body reveals, and the evidence.
 
