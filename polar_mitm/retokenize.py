@@ -10,7 +10,9 @@ silently. For their calls the record gets ids recomputed here:
 * output ids: the assistant reply appended to the conversation and rendered without a generation
   prompt; the text after the prompt's rendering is what the template says the model wrote (reasoning
   block, content, tool-call markup), tokenized and cut after the end-of-turn token (none when the
-  reply was cut off by ``length``);
+  reply was cut off by ``length``). Content before tool calls is stripped first: the whitespace
+  between content and tool-call markup belongs to the template, and parsers that hand it back as
+  content (vLLM's hermes) would otherwise get it rendered twice;
 * both counts are checked against the server's ``usage``: ``count_check`` is ``ok`` only when both
   match. The record says ``ids_source = retokenized`` and carries the flag ``retokenized`` (plus
   ``prompt_count_mismatch`` / ``count_mismatch`` / ``retokenize_not_continuation``), with the
