@@ -384,7 +384,7 @@ class CaptureAddon:
 
     async def done(self) -> None:
         for call in list(self.live.values()):
-            call.finish("incomplete", "the proxy shut down mid-call")
+            call.abort("the proxy shut down mid-call", status="incomplete")
         if self.retokenize is not None:
             await self.retokenize.drain()
         await self.gateway.stop()
@@ -594,4 +594,6 @@ def polar_addons() -> list[object]:
     retokenize = RetokenizeAddon(tokenizer)
     store = StoreAddon()
     capture = CaptureAddon(identity, sinks=[store], retokenize=retokenize)
-    return [ProxySetup(), identity, tokenizer, retokenize, store, capture]
+    # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
+    # calls, then pending retokenizations drain, and only then does the store close.
+    return [ProxySetup(), identity, tokenizer, capture, retokenize, store]

@@ -43,7 +43,9 @@ class Output(Protocol):
 
     async def write(self, data: bytes) -> None: ...
 
-    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None: ...
+    async def send(
+        self, status: int, body: bytes, content_type: str = "application/json"
+    ) -> None: ...
 
 
 @dataclass(slots=True)
@@ -86,6 +88,7 @@ class Call:
         self.upstream_body: dict[str, Any] | None = None
         self.task: asyncio.Task | None = None
         self._finished = False
+        self._abort = ("client_aborted", "the harness closed the connection")
 
     # -- driving the call -------------------------------------------------------------------
 
@@ -112,7 +115,7 @@ class Call:
         except ClientGone:
             self.finish("client_aborted", "the harness closed the connection mid-reply")
         except asyncio.CancelledError:
-            self.finish("client_aborted", "the harness closed the connection")
+            self.finish(*self._abort)
             raise
         except UpstreamFailed as e:
             await self._answer_error(out, e)
@@ -159,7 +162,9 @@ class Call:
             if done:
                 break
         if not done and self.tally.finish_reason is None:
-            raise UpstreamFailed(f"upstream {upstream.base_url} ended the stream before it was complete")
+            raise UpstreamFailed(
+                f"upstream {upstream.base_url} ended the stream before it was complete"
+            )
         await self._write(out, translator.finish())
         self.finish("completed")
 
@@ -219,7 +224,9 @@ class Call:
 
     def _stall_message(self) -> str:
         s = self.settings
-        where = "mid-stream" if self.tally.output_ids or self.assembler.content else "before replying"
+        where = (
+            "mid-stream" if self.tally.output_ids or self.assembler.content else "before replying"
+        )
         return f"upstream {s.upstream.base_url} sent nothing for {s.stall_timeout:g}s {where}"
 
     # -- the record -------------------------------------------------------------------------
@@ -291,12 +298,14 @@ class Call:
         if self.on_done is not None:
             self.on_done(self)
 
-    def abort(self, reason: str) -> None:
-        """The harness went away (mitmproxy's error hook): stop the upstream request."""
+    def abort(self, reason: str, status: str = "client_aborted") -> None:
+        """Stop the call: the harness went away (mitmproxy's error hook, `client_aborted`) or the
+        proxy is shutting down (`incomplete`). The tokens so far stay on the record."""
+        self._abort = (status, reason)
         if self.task is not None and not self.task.done():
             self.task.cancel()
         else:
-            self.finish("client_aborted", reason)
+            self.finish(status, reason)
 
 
 def _json_chunk(data: str) -> dict[str, Any]:

@@ -53,7 +53,9 @@ class _WebOutput:
             raise ClientGone() from e
 
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-        self.response = web.Response(status=status, body=body, headers={"Content-Type": content_type})
+        self.response = web.Response(
+            status=status, body=body, headers={"Content-Type": content_type}
+        )
 
 
 class Gateway:
@@ -71,7 +73,8 @@ class Gateway:
         app.router.add_route("*", PATH_PREFIX + "{call_id}", self._handle)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        # Calls are aborted before the gateway stops, so shutdown need not wait for handlers.
+        site = web.TCPSite(runner, "127.0.0.1", 0, shutdown_timeout=2.0)
         await site.start()
         self._runner = runner
         self.port = runner.addresses[0][1]

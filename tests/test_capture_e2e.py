@@ -50,7 +50,9 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
     sent, replies = run_tool_conversation(client, stream=stream)
 
     assert [r["finish_reason"] for r in replies] == ["tool_calls", "tool_calls", "stop"]
-    assert json.loads(replies[0]["tool_calls"][0]["function"]["arguments"]) == {"cmd": "cat notes.txt"}
+    assert json.loads(replies[0]["tool_calls"][0]["function"]["arguments"]) == {
+        "cmd": "cat notes.txt"
+    }
     assert replies[0]["tool_calls"][0]["function"]["name"] == "run_shell"
     # vLLM keeps the "\n\n" the template puts after </think> in the content
     assert replies[2]["content"] == "\n\nnotes.txt has 3 lines: alpha, beta and gamma."
@@ -59,7 +61,9 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
     calls = calls_of(mitm)
     assert len(calls) == 3
     for messages, row in zip(sent, calls, strict=True):
-        assert row["rollout_id"] == "conv.1" and row["group_id"] == "conv" and row["sample_index"] == 1
+        assert (
+            row["rollout_id"] == "conv.1" and row["group_id"] == "conv" and row["sample_index"] == 1
+        )
         assert row["status"] == "completed" and row["stream"] is stream
         assert row["model_requested"] == "gpt-4.1-mini" and row["model_served"] == "Qwen/Qwen3-4B"
         expected_prompt = expected_prompt_ids(qwen3, upstream_kind, messages, [RUN_SHELL])
@@ -73,7 +77,9 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
         assert row["count_check"] == "ok" and row["ids_source"] == "upstream"
         assert row["trainable"] is True
         assert row["usage_completion_tokens"] == len(row["output_token_ids"])
-        assert row["first_byte_at"] >= row["started_at"] and row["finished_at"] >= row["first_byte_at"]
+        assert (
+            row["first_byte_at"] >= row["started_at"] and row["finished_at"] >= row["first_byte_at"]
+        )
     assert grep_bytes(mitm.output, ["polar-conv.1"]) == {}
 
 
@@ -92,11 +98,20 @@ def test_streaming_is_live(make_policy_server, make_mitm, upstream_kind):
     result: dict = {}
 
     def read_stream() -> None:
-        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "HOLD please"}]}
-        with http_client(mitm) as client, client.stream(
-            "POST", "https://api.openai.com/v1/chat/completions", json=body,
-            headers={"authorization": "Bearer polar-live.0"},
-        ) as r:
+        body = {
+            "model": "m",
+            "stream": True,
+            "messages": [{"role": "user", "content": "HOLD please"}],
+        }
+        with (
+            http_client(mitm) as client,
+            client.stream(
+                "POST",
+                "https://api.openai.com/v1/chat/completions",
+                json=body,
+                headers={"authorization": "Bearer polar-live.0"},
+            ) as r,
+        ):
             text = []
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -116,7 +131,9 @@ def test_streaming_is_live(make_policy_server, make_mitm, upstream_kind):
         assert r.json()["released"] == 1, "the server was not holding the reply"
         assert first_chunk.wait(20), "the synthesized stream did not follow the upstream reply"
     else:
-        assert first_chunk.wait(20), "the first chunk did not reach the client before the last was sent"
+        assert first_chunk.wait(20), (
+            "the first chunk did not reach the client before the last was sent"
+        )
         released_at = time.monotonic()
         httpx.post(server.url + "/_polar/release", timeout=10).raise_for_status()
     reader.join(30)
@@ -144,15 +161,23 @@ def test_rollout_identity_sources(make_policy_server, make_mitm):
     mitm = make_mitm(server.url)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     url = "https://api.openai.com/v1/chat/completions"
-    with http_client(mitm, user="django-11099.3", password="s3cret-proxy-pw") as c:  # rule 1 beats rule 2
+    with http_client(
+        mitm, user="django-11099.3", password="s3cret-proxy-pw"
+    ) as c:  # rule 1 beats rule 2
         c.post(url, json=body, headers={"authorization": "Bearer polar-other.1"}).raise_for_status()
     with http_client(mitm) as c:
         c.post(url, json=body, headers={"authorization": "Bearer polar-keyed.7"}).raise_for_status()
         c.post(url, json=body, headers={"x-api-key": "polar-anthro"}).raise_for_status()
-        c.post(url, json=body, headers={"authorization": "Bearer sk-real-looking-key-123",
-                                        "x-polar-rollout": "hdr.2"}).raise_for_status()
-        c.post(url, json=body, headers={"authorization": "Bearer sk-real-looking-key-123",
-                                        "session-id": "sess-42"}).raise_for_status()
+        c.post(
+            url,
+            json=body,
+            headers={"authorization": "Bearer sk-real-looking-key-123", "x-polar-rollout": "hdr.2"},
+        ).raise_for_status()
+        c.post(
+            url,
+            json=body,
+            headers={"authorization": "Bearer sk-real-looking-key-123", "session-id": "sess-42"},
+        ).raise_for_status()
     rows = calls_of(mitm)
     got = [(r["rollout_id"], r["rollout_source"], r["group_id"], r["sample_index"]) for r in rows]
     assert got == [
@@ -163,8 +188,19 @@ def test_rollout_identity_sources(make_policy_server, make_mitm):
         ("127.0.0.1-sess-42", "session", None, None),
     ]
     assert rows[-1]["session_id"] == "sess-42"
-    assert grep_bytes(mitm.output, ["s3cret-proxy-pw", "sk-real-looking-key-123", "polar-other.1",
-                                    "polar-keyed.7", "polar-anthro"]) == {}
+    assert (
+        grep_bytes(
+            mitm.output,
+            [
+                "s3cret-proxy-pw",
+                "sk-real-looking-key-123",
+                "polar-other.1",
+                "polar-keyed.7",
+                "polar-anthro",
+            ],
+        )
+        == {}
+    )
 
 
 def test_other_traffic_passes_byte_for_byte(make_policy_server, make_mitm, tmp_path):
@@ -177,8 +213,11 @@ def test_other_traffic_passes_byte_for_byte(make_policy_server, make_mitm, tmp_p
     try:
         with http_client(mitm) as c:
             # An LLM-looking path on a host outside polar_hosts is never rewritten.
-            r = c.post(f"https://127.0.0.1:{echo.port}/v1/chat/completions", content=payload,
-                       headers={"content-type": "application/octet-stream"})
+            r = c.post(
+                f"https://127.0.0.1:{echo.port}/v1/chat/completions",
+                content=payload,
+                headers={"content-type": "application/octet-stream"},
+            )
             assert r.status_code == 200 and r.content == payload
             r = c.get(f"https://127.0.0.1:{echo.port}/blob?size=100000")
             assert r.content == echo.blob(100000)
@@ -196,14 +235,25 @@ def test_bad_input_and_unreachable_upstream(make_policy_server, make_mitm):
     mitm = make_mitm(server.url)
     url = "https://api.openai.com/v1/chat/completions"
     with http_client(mitm) as c:
-        r = c.post(url, content=b'{"model": "m", "messages": [', headers={"authorization": "Bearer polar-bad.0"})
+        r = c.post(
+            url,
+            content=b'{"model": "m", "messages": [',
+            headers={"authorization": "Bearer polar-bad.0"},
+        )
         assert r.status_code == 400
         err = r.json()["error"]
         assert "not valid JSON" in err["message"] and err["type"] == "invalid_request_error"
-        r = c.post(url, json={"model": "m", "messages": "hi"}, headers={"authorization": "Bearer polar-bad.0"})
+        r = c.post(
+            url,
+            json={"model": "m", "messages": "hi"},
+            headers={"authorization": "Bearer polar-bad.0"},
+        )
         assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
-        r = c.post(url, json={"model": "m", "messages": [{"role": "user", "content": "ok?"}]},
-                   headers={"authorization": "Bearer polar-bad.0"})
+        r = c.post(
+            url,
+            json={"model": "m", "messages": [{"role": "user", "content": "ok?"}]},
+            headers={"authorization": "Bearer polar-bad.0"},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     rows = calls_of(mitm)
     assert [r["status"] for r in rows] == ["error", "error", "completed"]
@@ -214,7 +264,14 @@ def test_bad_input_and_unreachable_upstream(make_policy_server, make_mitm):
     mitm2 = make_mitm(dead)
     with http_client(mitm2) as c:
         for stream in (False, True):
-            r = c.post(url, json={"model": "m", "stream": stream, "messages": [{"role": "user", "content": "x"}]})
+            r = c.post(
+                url,
+                json={
+                    "model": "m",
+                    "stream": stream,
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            )
             assert r.status_code == 502
             assert dead in r.json()["error"]["message"]
         r = c.get(f"{mitm2.url}/")  # the proxy itself still answers
@@ -228,15 +285,31 @@ def test_bad_input_and_unreachable_upstream(make_policy_server, make_mitm):
     [
         ({}, "polar_upstream: required"),
         ({"polar_upstream": "not a url"}, "polar_upstream:"),
-        ({"polar_upstream": "http://127.0.0.1:9", "polar_upstream_kind": "tgi"}, "polar_upstream_kind: unknown kind 'tgi'"),
-        ({"polar_upstream": "http://127.0.0.1:9", "polar_tokenizer": "/nonexistent/tok"}, "polar_tokenizer:"),
+        (
+            {"polar_upstream": "http://127.0.0.1:9", "polar_upstream_kind": "tgi"},
+            "polar_upstream_kind: unknown kind 'tgi'",
+        ),
+        (
+            {"polar_upstream": "http://127.0.0.1:9", "polar_tokenizer": "/nonexistent/tok"},
+            "polar_tokenizer:",
+        ),
     ],
     ids=["missing", "invalid", "kind", "tokenizer"],
 )
 def test_startup_option_errors(tmp_path, confdir, options, needle):
-    args = [MITMDUMP, "-s", str(ROOT / "addons" / "polar.py"), "--listen-host", "127.0.0.1",
-            "--listen-port", str(free_port()), "--set", f"confdir={confdir}",
-            "--set", f"polar_output={tmp_path / 'out'}"]
+    args = [
+        MITMDUMP,
+        "-s",
+        str(ROOT / "addons" / "polar.py"),
+        "--listen-host",
+        "127.0.0.1",
+        "--listen-port",
+        str(free_port()),
+        "--set",
+        f"confdir={confdir}",
+        "--set",
+        f"polar_output={tmp_path / 'out'}",
+    ]
     for key, value in options.items():
         args += ["--set", f"{key}={value}"]
     proc = Proc(args, tmp_path / "mitm.log")
@@ -252,14 +325,70 @@ def test_env_command(confdir):
 
     from polar_mitm.cli import main
 
-    result = CliRunner().invoke(main, ["env", "--proxy", "http://10.0.0.5:8080", "--rollout", "task.3",
-                                       "--confdir", str(confdir)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "env",
+            "--proxy",
+            "http://10.0.0.5:8080",
+            "--rollout",
+            "task.3",
+            "--confdir",
+            str(confdir),
+        ],
+    )
     assert result.exit_code == 0, result.output
     lines = dict(line.removeprefix("export ").split("=", 1) for line in result.output.splitlines())
     assert lines["HTTPS_PROXY"] == "http://task.3:polar@10.0.0.5:8080"
     assert lines["HTTP_PROXY"] == lines["HTTPS_PROXY"]
-    for name in ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CODEX_CA_CERTIFICATE"):
+    for name in (
+        "NODE_EXTRA_CA_CERTS",
+        "SSL_CERT_FILE",
+        "REQUESTS_CA_BUNDLE",
+        "CODEX_CA_CERTIFICATE",
+    ):
         assert lines[name] == str(confdir / "mitmproxy-ca-cert.pem")
     assert "127.0.0.1" in lines["NO_PROXY"]
     bad = CliRunner().invoke(main, ["env", "--proxy", "nohost", "--confdir", str(confdir)])
     assert bad.exit_code != 0 and "error:" in bad.output
+
+
+def test_call_in_flight_at_shutdown_leaves_a_record(make_policy_server, make_mitm):
+    """SIGINT while a stream is mid-way: the call is still recorded (not completed), and the
+    shards written at shutdown hold it."""
+    server = make_policy_server(SCENARIO, "--token-rate", "5")
+    mitm = make_mitm(server.url)
+    got_chunk = threading.Event()
+
+    def stream() -> None:
+        body = {
+            "model": "m",
+            "stream": True,
+            "messages": [{"role": "user", "content": "slow please"}],
+        }
+        try:
+            with (
+                http_client(mitm) as c,
+                c.stream(
+                    "POST",
+                    "https://api.openai.com/v1/chat/completions",
+                    json=body,
+                    headers={"x-api-key": "polar-shut.0"},
+                ) as r,
+            ):
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0][
+                        "delta"
+                    ].get("content"):
+                        got_chunk.set()
+        except httpx.HTTPError:
+            pass
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert got_chunk.wait(30)
+    [row] = calls_of(mitm)
+    t.join(10)
+    assert row["rollout_id"] == "shut.0"
+    assert row["status"] in ("incomplete", "client_aborted")
+    assert 0 < len(row["output_token_ids"]) < 40
