@@ -1,0 +1,527 @@
+"""What polar-mitm costs a rollout farm, side by side with the alternatives, in one run.
+
+Columns (same client, same upstream, same run):
+  direct            client -> reference policy server over loopback HTTP (the physical limit)
+  mitm-stream       plain mitmdump, map_remote api.openai.com -> server, stream_large_bodies=1
+                    (no addon: the floor for any addon that streams)
+  mitm-buffered     plain mitmdump defaults (buffers the whole generation, then replays it)
+  polar-mitm        mitmdump -s addons/polar.py (capture + journal + Parquet shards on)
+
+The proxy columns use the harness path: HTTPS to api.openai.com through HTTP CONNECT with the
+generated CA. Figures: time to first byte, time to last byte, latency added over direct (median and
+p99) at 1 and 32 concurrent sessions (upstream paced at --token-rate tokens/s, one chunk per
+token), calls/s at 32 concurrent and proxy CPU-seconds per 1,000 calls (upstream as fast as it
+goes; CPU from /proc), proxy RSS over a long run, and the in-process figures of the other
+benchmarks (trajectory merge N vs 2N, Parquet flush vs raw pyarrow) where present.
+
+Absolute times on shared machines are noise; the ratios in one run are the result.
+
+    python scripts/bench.py --quick            # a few minutes on 2 cores
+    python scripts/bench.py --quick --smoke    # tiny counts: only checks that it runs
+    python scripts/bench.py --json out.json    # and out.png beside it
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+URL = "https://api.openai.com/v1/chat/completions"
+COLUMNS = ("direct", "mitm-stream", "mitm-buffered", "polar-mitm")
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+class Child:
+    def __init__(self, args: list[str], log: Path, ready: str, timeout: float = 90) -> None:
+        self.log = log
+        self._fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, stdout=self._fh, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while not re.search(ready, log.read_text(errors="replace")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{args[:3]} did not start:\n{log.read_text(errors='replace')}")
+            time.sleep(0.05)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._fh.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> tuple[Child, str]:
+    args = [
+        sys.executable,
+        "-m",
+        "polar_mitm.policy_server",
+        "--port",
+        "0",
+        "--scenario",
+        str(scenario),
+        "--token-rate",
+        str(token_rate),
+    ]
+    child = Child(args, tmp / f"{name}.log", r"listening on http://")
+    url = re.search(r"listening on (http://\S+)", child.text()).group(1)
+    return child, url
+
+
+def start_proxy(tmp: Path, column: str, upstream: str, confdir: Path) -> tuple[Child, int]:
+    port = free_port()
+    args = [
+        str(BIN / "mitmdump"),
+        "-q",
+        "--listen-host",
+        "127.0.0.1",
+        "--listen-port",
+        str(port),
+        "--set",
+        f"confdir={confdir}",
+        "--set",
+        "connection_strategy=lazy",
+    ]
+    if column == "polar-mitm":
+        args += [
+            "-s",
+            str(ROOT / "addons" / "polar.py"),
+            "--set",
+            f"polar_upstream={upstream}",
+            "--set",
+            f"polar_output={tmp / 'polar-data'}",
+        ]
+        ready = r"polar-mitm: capturing"
+        args.remove("-q")  # the addon's start-up line is the readiness signal
+    else:
+        args += ["--map-remote", f"|https://api.openai.com/v1|{upstream}/v1"]
+        if column == "mitm-stream":
+            args += ["--set", "stream_large_bodies=1"]
+        args.remove("-q")
+        ready = r"proxy listening"
+    return Child(args, tmp / f"{column}.log", ready), port
+
+
+# -- the client ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    ttfb: float
+    ttlb: float
+    ok: bool
+
+
+@dataclass
+class Run:
+    samples: list[Sample] = field(default_factory=list)
+    wall: float = 0.0
+    cpu: float = 0.0
+    errors: int = 0
+
+    def q(self, attr: str, p: float) -> float:
+        values = sorted(getattr(s, attr) for s in self.samples if s.ok)
+        if not values:
+            return float("nan")
+        return values[min(len(values) - 1, int(p * len(values)))]
+
+    @property
+    def ok(self) -> int:
+        return sum(s.ok for s in self.samples)
+
+
+BODY = {
+    "model": "Qwen/Qwen3-4B",  # the served name, so plain mitmdump and direct calls work too
+    "stream": True,
+    "messages": [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Write the benchmark reply."},
+    ],
+}
+
+
+async def one_call(
+    session: aiohttp.ClientSession,
+    url: str,
+    proxy: str | None,
+    ssl_ctx: ssl.SSLContext | bool,
+    rollout: str,
+) -> Sample:
+    start = time.perf_counter()
+    first = None
+    try:
+        async with session.post(
+            url,
+            json=BODY,
+            proxy=proxy,
+            ssl=ssl_ctx,
+            headers={"authorization": f"Bearer polar-{rollout}"},
+        ) as r:
+            if r.status != 200:
+                await r.read()
+                return Sample(0, 0, False)
+            tail = b""
+            async for data in r.content.iter_any():
+                if first is None:
+                    first = time.perf_counter()
+                tail = (tail + data)[-64:]
+            ok = b"[DONE]" in tail
+    except aiohttp.ClientError:
+        return Sample(0, 0, False)
+    end = time.perf_counter()
+    return Sample((first or end) - start, end - start, ok)
+
+
+async def drive(
+    column: str,
+    url: str,
+    proxy: str | None,
+    ssl_ctx: ssl.SSLContext | bool,
+    sessions: int,
+    calls: int | None,
+    seconds: float | None,
+    cpu_of: Callable[[], float] | None,
+) -> Run:
+    """`sessions` concurrent harness sessions (one keep-alive connection each), each making calls
+    back to back, until `calls` per session or `seconds` of wall time."""
+    run = Run()
+    cpu0 = cpu_of() if cpu_of else 0.0
+    t0 = time.perf_counter()
+    deadline = t0 + seconds if seconds else None
+
+    async def session_loop(i: int) -> None:
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+        ) as s:
+            n = 0
+            while (calls is None or n < calls) and (
+                deadline is None or time.perf_counter() < deadline
+            ):
+                sample = await one_call(s, url, proxy, ssl_ctx, f"bench-{column}.{i}")
+                run.samples.append(sample)
+                run.errors += not sample.ok
+                n += 1
+
+    await asyncio.gather(*(session_loop(i) for i in range(sessions)))
+    run.wall = time.perf_counter() - t0
+    run.cpu = (cpu_of() - cpu0) if cpu_of else float("nan")
+    return run
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+
+def write_scenario(tmp: Path, tokens: int) -> Path:
+    words = " ".join(f"w{i % 97}" for i in range(tokens))
+    path = tmp / "bench.json"
+    path.write_text(
+        json.dumps({"model": "Qwen/Qwen3-4B", "scripts": [{"turns": [{"content": words}]}] * 1})
+    )
+    return path
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> dict:
+    from polar_mitm.certs import ensure_ca
+
+    confdir = tmp / "certs"
+    ca = ensure_ca(confdir)
+    ssl_ctx = ssl.create_default_context(cafile=str(ca))
+    scenario = write_scenario(tmp, args.tokens)
+    paced, paced_url = start_server(tmp, scenario, args.token_rate, "server-paced")
+    fast, fast_url = start_server(tmp, scenario, 0, "server-fast")
+    results: dict = {"config": vars(args), "columns": {}}
+    try:
+        for column in COLUMNS:
+            col: dict = {}
+            for upstream_url, mode in ((paced_url, "paced"), (fast_url, "fast")):
+                proxy_child = None
+                if column == "direct":
+                    url, proxy, ctx, cpu_of = (
+                        upstream_url + "/v1/chat/completions",
+                        None,
+                        False,
+                        None,
+                    )
+                else:
+                    proxy_child, port = start_proxy(tmp, f"{column}-{mode}", upstream_url, confdir)
+                    url, proxy, ctx, cpu_of = (
+                        URL,
+                        f"http://127.0.0.1:{port}",
+                        ssl_ctx,
+                        proxy_child.cpu_seconds,
+                    )
+                try:
+                    loop = asyncio.new_event_loop()
+                    if mode == "paced":
+                        for conc in (1, 32):
+                            calls = args.calls1 if conc == 1 else args.calls32
+                            run = loop.run_until_complete(
+                                drive(column, url, proxy, ctx, conc, calls, None, None)
+                            )
+                            col[f"c{conc}"] = summarize(run)
+                    else:
+                        loop.run_until_complete(
+                            drive(column, url, proxy, ctx, 4, 2, None, None)
+                        )  # warm-up
+                        run = loop.run_until_complete(
+                            drive(column, url, proxy, ctx, 32, None, args.seconds, cpu_of)
+                        )
+                        col["throughput"] = summarize(run)
+                        if proxy_child is not None:
+                            col["throughput"]["cpu_s_per_1k_calls"] = (
+                                1000 * run.cpu / max(run.ok, 1)
+                            )
+                            if column == "polar-mitm" and args.rss_calls:
+                                col["rss"] = rss_curve(
+                                    loop, url, proxy, ctx, proxy_child, args.rss_calls
+                                )
+                    loop.close()
+                finally:
+                    if proxy_child is not None:
+                        proxy_child.stop()
+            results["columns"][column] = col
+            print(f"  {column}: done", file=sys.stderr)
+    finally:
+        paced.stop()
+        fast.stop()
+    results["inprocess"] = inprocess_figures(args)
+    return results
+
+
+def rss_curve(loop, url, proxy, ctx, child: Child, total: int) -> list[tuple[int, float]]:
+    points = [(0, child.rss_mb())]
+    step = max(total // 10, 1)
+    done = 0
+    while done < total:
+        loop.run_until_complete(
+            drive("polar-mitm", url, proxy, ctx, 32, max(step // 32, 1), None, None)
+        )
+        done += max(step // 32, 1) * 32
+        points.append((done, child.rss_mb()))
+    return points
+
+
+def summarize(run: Run) -> dict:
+    return {
+        "calls": run.ok,
+        "errors": run.errors,
+        "wall_s": run.wall,
+        "calls_per_s": run.ok / run.wall if run.wall else float("nan"),
+        "ttfb_ms_p50": 1000 * run.q("ttfb", 0.5),
+        "ttfb_ms_p99": 1000 * run.q("ttfb", 0.99),
+        "ttlb_ms_p50": 1000 * run.q("ttlb", 0.5),
+        "ttlb_ms_p99": 1000 * run.q("ttlb", 0.99),
+        "ttlb_ms": [1000 * s.ttlb for s in run.samples if s.ok],
+    }
+
+
+def inprocess_figures(args: argparse.Namespace) -> dict:
+    """The figures other benchmarks measure in-process, when their modules are present."""
+    out: dict = {}
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_store  # noqa: PLC0415
+
+        rows = bench_store.make_rows(256 if args.smoke else 2048, 4000, 500)
+        with tempfile.TemporaryDirectory() as d:
+            raw_s = bench_store.bench_raw(rows, 512, d, False)[0]
+        with tempfile.TemporaryDirectory() as d:
+            store_s = bench_store.bench_store(rows, 512, d)[0]
+        out["parquet_flush_vs_raw"] = raw_s / store_s
+    except Exception as e:  # a benchmark that is not there (yet) or failed: say so
+        out["parquet_flush_vs_raw"] = f"n/a ({type(e).__name__}: {e})"
+    try:
+        import bench_merge  # noqa: PLC0415
+
+        out.update(bench_merge.figures(smoke=args.smoke))
+    except Exception as e:
+        out["merge"] = f"n/a ({type(e).__name__}: {e})"
+    return out
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def added(col: dict, direct: dict, key: str, p: str) -> float:
+    return col[key][f"ttlb_ms_{p}"] - direct[key][f"ttlb_ms_{p}"]
+
+
+def report(results: dict) -> list[tuple[str, str, str, str]]:
+    cols = results["columns"]
+    d, s, b, p = (cols[c] for c in COLUMNS)
+    rows: list[tuple[str, str, str, str]] = []
+
+    def ratio(x: float, y: float) -> str:
+        return f"{x / y:.2f}" if y and y == y and x == x else "n/a"
+
+    for conc in ("c1", "c32"):
+        rows.append(
+            (
+                f"TTFB p50 ms ({conc[1:]} conc)",
+                f"{p[conc]['ttfb_ms_p50']:.1f}",
+                f"stream {s[conc]['ttfb_ms_p50']:.1f} / buffered {b[conc]['ttfb_ms_p50']:.1f} / direct {d[conc]['ttfb_ms_p50']:.1f}",
+                ratio(p[conc]["ttfb_ms_p50"], s[conc]["ttfb_ms_p50"]),
+            )
+        )
+        for q in ("p50", "p99"):
+            rows.append(
+                (
+                    f"added latency {q} ms ({conc[1:]} conc)",
+                    f"{added(p, d, conc, q):.1f}",
+                    f"stream {added(s, d, conc, q):.1f} / buffered {added(b, d, conc, q):.1f}",
+                    ratio(added(p, d, conc, q), added(s, d, conc, q)),
+                )
+            )
+    rows.append(
+        (
+            "calls/s (32 conc, fast upstream)",
+            f"{p['throughput']['calls_per_s']:.1f}",
+            f"stream {s['throughput']['calls_per_s']:.1f} / buffered {b['throughput']['calls_per_s']:.1f} / direct {d['throughput']['calls_per_s']:.1f}",
+            ratio(p["throughput"]["calls_per_s"], s["throughput"]["calls_per_s"]),
+        )
+    )
+    rows.append(
+        (
+            "proxy CPU-s per 1k calls",
+            f"{p['throughput']['cpu_s_per_1k_calls']:.1f}",
+            f"stream {s['throughput']['cpu_s_per_1k_calls']:.1f} / buffered {b['throughput']['cpu_s_per_1k_calls']:.1f}",
+            ratio(p["throughput"]["cpu_s_per_1k_calls"], s["throughput"]["cpu_s_per_1k_calls"]),
+        )
+    )
+    if p.get("rss"):
+        first, last = p["rss"][1][1], p["rss"][-1][1]
+        rows.append(
+            (
+                f"proxy RSS MB after {p['rss'][1][0]} -> {p['rss'][-1][0]} calls",
+                f"{first:.0f} -> {last:.0f}",
+                "",
+                ratio(last, first),
+            )
+        )
+    for key, value in results["inprocess"].items():
+        rows.append((key, f"{value:.2f}" if isinstance(value, float) else str(value), "", ""))
+    return rows
+
+
+def print_table(rows: list[tuple[str, str, str, str]]) -> None:
+    widths = [
+        max(len(r[i]) for r in rows + [("figure", "polar-mitm", "floor / others", "ratio")])
+        for i in range(4)
+    ]
+    header = ("figure", "polar-mitm", "floor / others", "ratio")
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, conc in zip(axes, ("c1", "c32"), strict=True):
+        data = [results["columns"][c][conc]["ttlb_ms"] or [0] for c in COLUMNS]
+        ax.boxplot(data, showfliers=True)
+        ax.set_xticks(range(1, len(COLUMNS) + 1), COLUMNS, rotation=15)
+        ax.set_ylabel("time to last byte (ms)")
+        ax.set_title(f"{conc[1:]} concurrent session(s), paced upstream")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer calls (a few minutes on 2 cores)")
+    ap.add_argument("--smoke", action="store_true", help="tiny counts, to check the script runs")
+    ap.add_argument(
+        "--json", type=Path, default=None, help="write the figures here (and a .png beside it)"
+    )
+    ap.add_argument(
+        "--token-rate", type=float, default=30.0, help="paced upstream tokens/s per stream"
+    )
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per reply")
+    args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
+            args.tokens or 8,
+            3,
+            1,
+            1.5,
+            64,
+        )
+        args.token_rate = 200.0
+    elif args.quick:
+        args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
+            args.tokens or 30,
+            15,
+            2,
+            8.0,
+            2000,
+        )
+    else:
+        args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
+            args.tokens or 60,
+            40,
+            4,
+            20.0,
+            10000,
+        )
+    with tempfile.TemporaryDirectory(prefix="polar-bench-") as d:
+        results = measure(args, Path(d))
+    rows = report(results)
+    print_table(rows)
+    results["table"] = rows
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+        plot(results, args.json.with_suffix(".png"))
+        print(f"wrote {args.json} and {args.json.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

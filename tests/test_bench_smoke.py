@@ -1,0 +1,37 @@
+"""scripts/bench.py must not rot: run it with tiny counts and check it produced numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench.py"),
+            "--quick",
+            "--smoke",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    for column in ("direct", "mitm-stream", "mitm-buffered", "polar-mitm"):
+        col = results["columns"][column]
+        assert col["c1"]["calls"] > 0 and col["throughput"]["calls"] > 0, (column, col)
+        assert col["c1"]["ttfb_ms_p50"] > 0
+    assert results["columns"]["polar-mitm"]["throughput"]["cpu_s_per_1k_calls"] > 0
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert "added latency p50 ms (1 conc)" in proc.stdout
