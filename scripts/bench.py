@@ -2,9 +2,9 @@
 
 Columns (same client, same upstream, same run):
   direct            client -> reference policy server over loopback HTTP (the physical limit)
-  mitm-stream       plain mitmdump, map_remote api.openai.com -> server, stream_large_bodies=1
-                    (no addon: the floor for any addon that streams)
-  mitm-buffered     plain mitmdump defaults (buffers the whole generation, then replays it)
+  mitm-stream       plain mitmdump with scripts/bench_floor.py: api.openai.com -> server, reply
+                    streamed (`flow.response.stream = True`): the floor for any addon that streams
+  mitm-buffered     the same, mitmdump's default buffering (the whole generation, then replayed)
   polar-mitm        mitmdump -s addons/polar.py (capture + journal + Parquet shards on)
 
 The proxy columns use the harness path: HTTPS to api.openai.com through HTTP CONNECT with the
@@ -50,10 +50,18 @@ COLUMNS = ("direct", "mitm-stream", "mitm-buffered", "polar-mitm")
 
 
 class Child:
-    def __init__(self, args: list[str], log: Path, ready: str, timeout: float = 90) -> None:
+    def __init__(
+        self, args: list[str], log: Path, ready: str, timeout: float = 90, env: dict | None = None
+    ) -> None:
         self.log = log
         self._fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._fh, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
         deadline = time.monotonic() + timeout
         while not re.search(ready, log.read_text(errors="replace")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -113,7 +121,6 @@ def start_proxy(tmp: Path, column: str, upstream: str, confdir: Path) -> tuple[C
     port = free_port()
     args = [
         str(BIN / "mitmdump"),
-        "-q",
         "--listen-host",
         "127.0.0.1",
         "--listen-port",
@@ -133,14 +140,14 @@ def start_proxy(tmp: Path, column: str, upstream: str, confdir: Path) -> tuple[C
             f"polar_output={tmp / 'polar-data'}",
         ]
         ready = r"polar-mitm: capturing"
-        args.remove("-q")  # the addon's start-up line is the readiness signal
     else:
-        args += ["--map-remote", f"|https://api.openai.com/v1|{upstream}/v1"]
-        if column == "mitm-stream":
-            args += ["--set", "stream_large_bodies=1"]
-        args.remove("-q")
+        args += ["-s", str(ROOT / "scripts" / "bench_floor.py")]
         ready = r"proxy listening"
-    return Child(args, tmp / f"{column}.log", ready), port
+    env = {
+        "BENCH_UPSTREAM": upstream,
+        "BENCH_STREAM": "1" if column.startswith("mitm-stream") else "0",
+    }
+    return Child(args, tmp / f"{column}.log", ready, env=env), port
 
 
 # -- the client ----------------------------------------------------------------------------------
@@ -294,6 +301,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
                     )
                 try:
                     loop = asyncio.new_event_loop()
+                    # warm-up: the first call of a proxy pays for its certificate and connections
+                    loop.run_until_complete(drive(column, url, proxy, ctx, 2, 2, None, None))
                     if mode == "paced":
                         for conc in (1, 32):
                             calls = args.calls1 if conc == 1 else args.calls32
