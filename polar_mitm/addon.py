@@ -618,13 +618,14 @@ class TrajectoryAddon:
         self.store = store
         self.control = control
         self.rollouts = Rollouts(self._write)
+        self.idle_s = 0.0
         self._idle_task: asyncio.Task | None = None
 
     def load(self, loader) -> None:
-        loader.add_option(
+        loader.add_option(  # a str: mitmproxy's --set cannot parse float options
             "polar_rollout_idle",
-            float,
-            0.0,
+            str,
+            "0",
             "End a rollout (status completed, no reward) after this many seconds without a call "
             "and none in flight; its traces are written then. 0: only the control plane or "
             "shutdown end rollouts. A reward sent later writes a new revision of its traces.",
@@ -661,8 +662,18 @@ class TrajectoryAddon:
                 _errors.fail("polar_keep_ended: must be 0 or more")
             else:
                 self.rollouts.keep_ended = opts.polar_keep_ended
-        if "polar_rollout_idle" in updated and opts.polar_rollout_idle < 0:
-            _errors.fail("polar_rollout_idle: must be 0 (off) or a number of seconds")
+        if "polar_rollout_idle" in updated:
+            try:
+                idle = float(opts.polar_rollout_idle or 0)
+            except ValueError:
+                idle = -1.0
+            if not 0 <= idle < float("inf"):
+                _errors.fail(
+                    f"polar_rollout_idle: {opts.polar_rollout_idle!r} is not 0 (off) or a "
+                    "number of seconds"
+                )
+            else:
+                self.idle_s = idle
 
     def running(self) -> None:
         if self.store.store is not None:
@@ -688,7 +699,7 @@ class TrajectoryAddon:
 
     async def _end_idle(self) -> None:
         while True:
-            idle = ctx.options.polar_rollout_idle
+            idle = self.idle_s
             await asyncio.sleep(min(max(idle / 4, 0.05), 1.0) if idle > 0 else 1.0)
             if idle > 0:
                 try:

@@ -139,7 +139,11 @@ def test_compaction_replaces_history_with_a_summary():
     m = Merger()
     history = [
         {"role": "user", "content": "fix the bug"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "function": {"name": "run_shell", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "1", "function": {"name": "run_shell", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "1", "content": "out"},
     ]
     main = m.add(SYSTEM + [1, 2, 3, 4, 5], [6, EOT], request_json=body("S", history))
@@ -203,9 +207,19 @@ def test_classify_break_order():
     assert classify_break(BreakEvidence(purpose="title", has_chains=False)) == "side_call"
     assert classify_break(BreakEvidence(has_chains=False)) == "first_call"
     assert classify_break(BreakEvidence(prompt_len=5, lcp=5, parent_len=9)) == "retry"
-    assert classify_break(BreakEvidence(prompt_len=9, lcp=5, parent_len=9, diverged_in="env")) == "other"
-    assert set(breaks.REASONS) >= {"first_call", "side_call", "sub_agent", "compaction",
-                                   "rerender", "truncation", "other"}
+    assert (
+        classify_break(BreakEvidence(prompt_len=9, lcp=5, parent_len=9, diverged_in="env"))
+        == "other"
+    )
+    assert set(breaks.REASONS) >= {
+        "first_call",
+        "side_call",
+        "sub_agent",
+        "compaction",
+        "rerender",
+        "truncation",
+        "other",
+    }
 
 
 def test_history_change_cases():
@@ -217,22 +231,40 @@ def test_history_change_cases():
 
 
 def test_request_view_is_dialect_neutral():
-    chat = request_view(body("sys", [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]))
-    anthropic = request_view(json.dumps({
-        "system": [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
-        "tools": [{"name": "run_shell", "input_schema": {}}],
-        "messages": [{"role": "user", "content": "hi"}],
-    }))
-    responses = request_view(json.dumps({
-        "instructions": "sys",
-        "input": [{"type": "additional_tools", "tools": [{"type": "function", "name": "run_shell"}]},
-                  {"role": "user", "content": "hi"}],
-    }))
+    chat = request_view(
+        body("sys", [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    )
+    anthropic = request_view(
+        json.dumps(
+            {
+                "system": [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
+                "tools": [{"name": "run_shell", "input_schema": {}}],
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        )
+    )
+    responses = request_view(
+        json.dumps(
+            {
+                "instructions": "sys",
+                "input": [
+                    {
+                        "type": "additional_tools",
+                        "tools": [{"type": "function", "name": "run_shell"}],
+                    },
+                    {"role": "user", "content": "hi"},
+                ],
+            }
+        )
+    )
     assert chat == anthropic == responses
     assert chat.system == "sys" and chat.tools == ("run_shell",) and len(chat.messages) == 1
     assert request_view("not json") is None and request_view(None) is None
     # cache markers moving between calls do not change a message's fingerprint
-    a = {"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}
+    a = {
+        "role": "user",
+        "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}],
+    }
     assert breaks.fingerprint(a) == breaks.fingerprint({"role": "user", "content": "x"})
 
 
@@ -269,7 +301,12 @@ def test_trace_row_and_untrainable_reasons():
     calls = [ok, later, CallFacts("c3", status="error", error="boom")]
     reasons = untrainable_reasons(chain.calls, calls)
     assert [r.split(":")[0] for r in reasons] == ["policy_mixed", "call_error", "fidelity"]
-    assert untrainable_reasons(chain.calls, calls, frozenset({"policy_mixed", "call_error", "fidelity"})) == []
+    assert (
+        untrainable_reasons(
+            chain.calls, calls, frozenset({"policy_mixed", "call_error", "fidelity"})
+        )
+        == []
+    )
     row = trace_row(chain, TraceMeta("r.1", "r", 1, reward=0.5), reasons)
     assert row["input_ids"].tolist() == SYSTEM + [1, EOT, 5, 2, EOT]
     assert row["num_policy_tokens"] == 4 and row["num_env_tokens"] == len(SYSTEM) + 1
