@@ -295,26 +295,44 @@ def test_trace_row_and_untrainable_reasons():
     m = Merger()
     ok = CallFacts("c1", policy_version="v1", policy_version_end="v1")
     m.add(SYSTEM, [1, EOT], [-0.5, -0.5], facts=ok)
-    later = CallFacts("c2", policy_version="v1", policy_version_end="v2", flags=("count_mismatch",))
-    m.add(SYSTEM + [1, EOT, 5], [2, EOT], [-1.0, -1.0], facts=later)
+    flagged = CallFacts(
+        "c2",
+        policy_version="v1",
+        policy_version_end="v2",
+        flags=("count_mismatch",),
+        trainable=False,
+    )
+    m.add(SYSTEM + [1, EOT, 5], [2, EOT], [-1.0, -1.0], facts=flagged)
     [chain] = m.chains
-    calls = [ok, later, CallFacts("c3", status="error", error="boom")]
+    calls = [ok, flagged, CallFacts("c3", status="error", error="boom")]
     reasons = untrainable_reasons(chain.calls, calls)
-    assert [r.split(":")[0] for r in reasons] == ["policy_mixed", "call_error", "fidelity"]
+    assert [r.split(":")[0] for r in reasons] == ["policy_mixed", "call_error", "call_untrainable"]
+    assert "flagged count_mismatch" in reasons[2]
+    # the rollout-level conditions can be waived; a call the capture path rejected cannot
+    waived = untrainable_reasons(chain.calls, calls, frozenset({"policy_mixed", "call_error"}))
+    assert [r.split(":")[0] for r in waived] == ["call_untrainable"]
     assert (
         untrainable_reasons(
-            chain.calls, calls, frozenset({"policy_mixed", "call_error", "fidelity"})
+            [ok],
+            [ok, CallFacts("c4", status="error", policy_version="v1", policy_version_end="v1")],
+            frozenset({"call_error"}),
         )
         == []
     )
+    missing = untrainable_reasons([ok], [ok], unmerged=[("c5", "no token ids (ids_source=none)")])
+    assert missing[0].startswith("ids_missing: call c5")
+    assert untrainable_reasons([ok], [ok], unmerged=[("c6", "status client_aborted")]) == []
+    retok = CallFacts("c7", ids_source="retokenized", flags=("retokenized",), trainable=False)
+    assert "ids_source=retokenized" in untrainable_reasons([retok], [retok])[0]
+    trusted = CallFacts("c8", ids_source="retokenized", flags=("retokenized",), trainable=True)
+    assert untrainable_reasons([trusted], [trusted]) == []  # polar_trust_retokenized vouched
     row = trace_row(chain, TraceMeta("r.1", "r", 1, reward=0.5), reasons)
     assert row["input_ids"].tolist() == SYSTEM + [1, EOT, 5, 2, EOT]
+    assert row["loss_mask"].tolist() == [0] * len(SYSTEM) + [1, 1, 0, 1, 1]
     assert row["num_policy_tokens"] == 4 and row["num_env_tokens"] == len(SYSTEM) + 1
     assert row["policy_versions"] == ["v1", "v2"] and row["call_ids"] == ["c1", "c2"]
+    assert row["fidelity_flags"] == ["count_mismatch"]
     assert row["trainable"] is False and "policy_mixed" in row["untrainable_reason"]
-    retok = CallFacts("c4", ids_source="retokenized")
-    assert untrainable_reasons([retok], [retok])[0].startswith("ids:")
-    assert untrainable_reasons([retok], [retok], frozenset({"ids"})) == []
 
 
 # -- properties ---------------------------------------------------------------------------------

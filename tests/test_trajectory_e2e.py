@@ -424,7 +424,8 @@ def test_pause_holds_new_calls_while_in_flight_ones_finish(server, make_mitm):
         c["rollout_id"]: (c["policy_version"], c["policy_version_end"], c["trainable"])
         for c in calls
     }
-    assert versions == {"pz.0": ("v1", "v2", False), "pz.1": ("v2", "v2", True)}
+    # a call's own `trainable` judges its tokens; the version span is the trace's business
+    assert versions == {"pz.0": ("v1", "v2", True), "pz.1": ("v2", "v2", True)}
     by_rollout = {t["rollout_id"]: t for t in traces}
     assert by_rollout["pz.0"]["trainable"] is False
     assert by_rollout["pz.0"]["untrainable_reason"].startswith("policy_mixed")
