@@ -701,9 +701,9 @@ class TrajectoryAddon:
         while True:
             idle = self.idle_s
             await asyncio.sleep(min(max(idle / 4, 0.05), 1.0) if idle > 0 else 1.0)
-            if idle > 0:
+            if idle > 0 and not self.control.paused:  # calls may be waiting at the pause
                 try:
-                    self.rollouts.end_idle(idle, self.control.busy)
+                    self.rollouts.end_idle(idle, self.control.busy, self.control.resumed_at)
                 except Exception:  # a bug here must not stop later checks
                     log.exception("polar-mitm: ending idle rollouts failed")
 

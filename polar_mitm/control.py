@@ -34,6 +34,7 @@ import http.client
 import json
 import logging
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
@@ -65,6 +66,7 @@ class ControlState:
         self._open.set()
         self._closed = False
         self.waiting = 0
+        self.resumed_at = 0.0  # time.monotonic() of the last resume: idle clocks restart there
         self.in_flight: dict[str, str] = {}  # call_id -> rollout_id
         self._idle = asyncio.Event()
         self._idle.set()
@@ -88,6 +90,8 @@ class ControlState:
 
     def resume(self) -> int:
         waiting = self.waiting
+        if not self._open.is_set():
+            self.resumed_at = time.monotonic()
         self._open.set()
         return waiting
 

@@ -207,13 +207,16 @@ class Rollouts:
         )
         return rollout
 
-    def end_idle(self, idle_s: float, busy: Callable[[str], bool]) -> list[str]:
-        """End, as completed, the open rollouts without a call for `idle_s` and none in flight."""
+    def end_idle(
+        self, idle_s: float, busy: Callable[[str], bool], not_before: float = 0.0
+    ) -> list[str]:
+        """End, as completed, the open rollouts without a call for `idle_s` and none in flight;
+        the idle time counts from `not_before` at the earliest (the end of a pause)."""
         now = self.clock()
         stale = [
             r.rollout_id
             for r in self.open.values()
-            if now - r.last_activity >= idle_s and not busy(r.rollout_id)
+            if now - max(r.last_activity, not_before) >= idle_s and not busy(r.rollout_id)
         ]
         for rollout_id in stale:
             self.end(rollout_id, status="completed")

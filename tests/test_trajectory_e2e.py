@@ -331,6 +331,11 @@ def test_control_plane_needs_the_token(server, make_mitm):
         assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
         r = client.post("http://polar.control/v1/pause", headers={"authorization": "Bearer nope"})
         assert r.status_code == 401
+        # HTTPS to the reserved host works too (the proxy's CA); nothing is dialed
+        r = client.get(
+            "https://polar.control/v1/status", headers={"authorization": f"Bearer {TOKEN}"}
+        )
+        assert r.status_code == 200 and r.json()["paused"] is False
     wrong = ControlClient("not-the-token", proxy=mitm.url)
     for attempt in (
         wrong.pause,
