@@ -49,7 +49,7 @@ from .breaks import (
 )
 
 TAIL = 8  # tokens of a chain's end in the join index key
-BLOCK = 64  # tokens per hashed prefix block
+BLOCK = 256  # tokens per hashed prefix block
 _SEED = 0x9E3779B97F4A7C15
 _POLICY = b"\x01"
 

@@ -39,7 +39,7 @@ def f32(values: list[float]) -> list[float]:
     return list(struct.unpack(f"{len(values)}f", struct.pack(f"{len(values)}f", *values)))
 
 
-SYSTEM = list(range(1000, 1100))  # 100 tokens: more than a hash block
+SYSTEM = list(range(1000, 1000 + BLOCK + 44))  # more than one hashed prefix block
 USER = [7, 8, 9]
 
 
@@ -274,7 +274,7 @@ def test_request_view_is_dialect_neutral():
 def test_a_hash_collision_falls_back_to_comparing_every_chain():
     m = Merger()
     real = m.add(SYSTEM + USER, [1, EOT])
-    decoy = m.add([5] * 200, [2, EOT], purpose="side")
+    decoy = m.add([5] * (BLOCK + 10), [2, EOT], purpose="side")
     prompt = array("i", SYSTEM + [42, 43])
     first_block = hash((_SEED, prompt[:BLOCK].tobytes()))
     m._blocks_all[first_block] = [m.chains[1]]  # pretend the decoy's first block collides
@@ -349,7 +349,7 @@ def agent_runs(draw):
     for c in range(n_chains):
         steps = []
         for s in range(draw(st.integers(1, 5))):
-            env = draw(st.lists(ids, min_size=0 if s else 1, max_size=150))
+            env = draw(st.lists(ids, min_size=0 if s else 1, max_size=BLOCK))
             if s == 0:
                 env = [10_000 + c, *env]
             out = draw(st.lists(ids, min_size=0, max_size=40)) + [EOT]
@@ -398,11 +398,11 @@ def test_merging_reproduces_chains_built_by_extension(data):
 def test_a_break_finds_the_parent_with_the_longest_common_prefix(data):
     """Calls that fork from anywhere: the parent and its prefix length are the brute-force best."""
     m = Merger()
-    m.add(data.draw(st.lists(ids, min_size=1, max_size=300)), [EOT])
+    m.add(data.draw(st.lists(ids, min_size=1, max_size=3 * BLOCK)), [EOT])
     for _ in range(data.draw(st.integers(1, 6))):
         source = data.draw(st.sampled_from(m.chains))
         cut = data.draw(st.integers(0, len(source)))
-        prompt = source.tokens.tolist()[:cut] + data.draw(st.lists(ids, max_size=150))
+        prompt = source.tokens.tolist()[:cut] + data.draw(st.lists(ids, max_size=BLOCK))
         joinable = [ch for ch in m.chains if ch.role != "side"]
         extends = [ch for ch in joinable if prompt[: len(ch)] == ch.tokens.tolist()]
 
