@@ -7,7 +7,9 @@ One class per concern, composed in `addons/polar.py`:
 - `RetokenizeAddon`: the no-ids fallback built on it (`polar_trust_retokenized`);
 - `StoreAddon`: the journal and Parquet shards under `polar_output`;
 - `CaptureAddon`: detects LLM calls on `polar_hosts`, sends them to the policy server through the
-  in-process gateway, answers the other paths of those hosts.
+  in-process gateway, answers the other paths of those hosts;
+- `TrajectoryAddon`: merges each rollout's calls into traces, writes them when the rollout ends;
+- `ControlAddon`: the trainer's control plane (`control.py`) on a reserved host and/or a port.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import weakref
 from collections.abc import Sequence
 from urllib.parse import urlsplit
@@ -33,18 +36,24 @@ from .capture import (
     secret_values,
 )
 from .certs import DEFAULT_CONFDIR
+from .control import DEFAULT_HOST, ControlAPI, ControlServer, ControlState, encode, parse_listen
 from .dialects import Dialect, DialectError, detect
 from .exchange import Call, UpstreamSettings
 from .fidelity import PolicyTokenizer, TokenizerError, load_tokenizer
 from .gateway import Gateway
 from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, resolve
 from .retokenize import Retokenizer
+from .rollouts import Rollouts
 from .store import Store
+from .trajectory import ALLOW_CHOICES
 from .upstream import UPSTREAMS, Upstream, kind_from_models
 
 log = logging.getLogger("polar_mitm")
 DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,chatgpt.com"
 _RAW_BODY_LIMIT = 1 << 20
+# A harness (or a test) may say what a call is for; anything but "main" is a side call.
+PURPOSE_HEADER = "x-polar-purpose"
+_PURPOSE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
 class _StartupErrors:
@@ -260,10 +269,12 @@ class CaptureAddon:
         identity: RolloutIdentityAddon,
         sinks: Sequence[CallSink],
         retokenize: RetokenizeAddon | None = None,
+        control: ControlState | None = None,
     ) -> None:
         self.identity = identity
         self.sinks = list(sinks)
         self.retokenize = retokenize
+        self.control = control
         self.gateway = Gateway()
         self.upstream: Upstream | None = None
         self.auto_base: str | None = None  # polar_upstream_kind=auto: the URL still to probe
@@ -421,6 +432,13 @@ class CaptureAddon:
                 {"content-type": "application/json"},
             )
             return
+        if self.control is not None and not await self.control.admit():  # paused: wait here
+            flow.response = http.Response.make(
+                503,
+                dialect.error_bytes(503, "polar-mitm is shutting down", "server_error"),
+                {"content-type": "application/json"},
+            )
+            return
         await self.gateway.ready.wait()
         await self._start_call(flow, dialect, path)
 
@@ -457,6 +475,7 @@ class CaptureAddon:
             path=path,
             upstream_kind=self.upstream.kind,
             upstream_url=self.upstream.base_url,
+            policy_version=self.control.policy_version if self.control is not None else None,
         )
         record.headers_json = scrub(json.dumps(redact_headers(headers.items(multi=True))), secrets)
         try:
@@ -479,7 +498,8 @@ class CaptureAddon:
         record.request_json = redacted_json(req.body, secrets)
         record.stream = req.stream
         record.model_requested = req.model
-        record.purpose = req.purpose
+        purpose = headers.get(PURPOSE_HEADER, "").strip().lower()
+        record.purpose = purpose if _PURPOSE.match(purpose) else req.purpose
         settings = UpstreamSettings(
             self.upstream,
             await self._served_model(),
@@ -489,6 +509,8 @@ class CaptureAddon:
         )
         call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
         self.live[record.call_id] = call
+        if self.control is not None:
+            self.control.call_started(record.call_id, record.rollout_id)
         gateway_path = self.gateway.register(call)
         assert self.gateway.port is not None
         flow.metadata["polar_call"] = record.call_id
@@ -587,13 +609,207 @@ class CaptureAddon:
         return self.served_model
 
 
+class TrajectoryAddon:
+    """Each rollout's calls, prefix-merged into chains (`trajectory.py`); their `traces/` rows
+    are written when the rollout ends: by the control plane, after `polar_rollout_idle`
+    seconds without a call, or at shutdown (as `incomplete`)."""
+
+    def __init__(self, store: StoreAddon, control: ControlState) -> None:
+        self.store = store
+        self.control = control
+        self.rollouts = Rollouts(self._write)
+        self.idle_s = 0.0
+        self._idle_task: asyncio.Task | None = None
+
+    def load(self, loader) -> None:
+        loader.add_option(  # a str: mitmproxy's --set cannot parse float options
+            "polar_rollout_idle",
+            str,
+            "0",
+            "End a rollout (status completed, no reward) after this many seconds without a call "
+            "and none in flight; its traces are written then. 0: only the control plane or "
+            "shutdown end rollouts. A reward sent later writes a new revision of its traces.",
+        )
+        loader.add_option(
+            "polar_train_allow",
+            str,
+            "",
+            "Comma-separated rollout conditions that do not make its traces untrainable: "
+            "policy_mixed (its calls ran under several policy versions), call_error (one of its "
+            "calls failed). Retokenized ids: see polar_trust_retokenized.",
+        )
+        loader.add_option(
+            "polar_keep_ended",
+            int,
+            64,
+            "Ended rollouts kept in memory for the control plane (listing, traces, late rewards).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        opts = ctx.options
+        if "polar_train_allow" in updated:
+            allow = frozenset(a.strip() for a in opts.polar_train_allow.split(",") if a.strip())
+            unknown = sorted(allow - set(ALLOW_CHOICES))
+            if unknown:
+                _errors.fail(
+                    f"polar_train_allow: unknown {', '.join(unknown)} "
+                    f"(choose from {', '.join(ALLOW_CHOICES)})"
+                )
+            else:
+                self.rollouts.allow = allow
+        if "polar_keep_ended" in updated:
+            if opts.polar_keep_ended < 0:
+                _errors.fail("polar_keep_ended: must be 0 or more")
+            else:
+                self.rollouts.keep_ended = opts.polar_keep_ended
+        if "polar_rollout_idle" in updated:
+            try:
+                idle = float(opts.polar_rollout_idle or 0)
+            except ValueError:
+                idle = -1.0
+            if not 0 <= idle < float("inf"):
+                _errors.fail(
+                    f"polar_rollout_idle: {opts.polar_rollout_idle!r} is not 0 (off) or a "
+                    "number of seconds"
+                )
+            else:
+                self.idle_s = idle
+
+    def running(self) -> None:
+        if self.store.store is not None:
+            self.rollouts.proxy_id = self.store.store.proxy_id
+        if self._idle_task is None:
+            self._idle_task = asyncio.get_running_loop().create_task(self._end_idle())
+
+    def done(self) -> None:
+        if self._idle_task is not None:
+            self._idle_task.cancel()
+            self._idle_task = None
+        written = self.rollouts.close()
+        if written:
+            log.info("polar-mitm: wrote %d open rollout(s) as incomplete", written)
+
+    def call_finished(self, record: CallRecord) -> None:
+        self.rollouts.call_finished(record)
+
+    def _write(self, rows: list[dict]) -> None:
+        if self.store.store is not None:
+            for row in rows:
+                self.store.store.append("traces", row)
+
+    async def _end_idle(self) -> None:
+        while True:
+            idle = self.idle_s
+            await asyncio.sleep(min(max(idle / 4, 0.05), 1.0) if idle > 0 else 1.0)
+            if idle > 0 and not self.control.paused:  # calls may be waiting at the pause
+                try:
+                    self.rollouts.end_idle(idle, self.control.busy, self.control.resumed_at)
+                except Exception:  # a bug here must not stop later checks
+                    log.exception("polar-mitm: ending idle rollouts failed")
+
+
+class ControlAddon:
+    """The control plane: requests to `polar_control_host` through the proxy are answered here,
+    and `polar_control_listen` opens a port of its own. Refused unless `polar_control_token`."""
+
+    def __init__(self, state: ControlState, rollouts: Rollouts) -> None:
+        self.state = state
+        self.api = ControlAPI(state, rollouts)
+        self.host = DEFAULT_HOST
+        self.listen: tuple[str, int] | None = None
+        self.server: ControlServer | None = None
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_control_token",
+            str,
+            "",
+            "Bearer token for the control plane (end rollouts with a reward, policy version, "
+            "pause/resume). Without it the control plane refuses every request.",
+        )
+        loader.add_option(
+            "polar_control_host",
+            str,
+            DEFAULT_HOST,
+            "Reserved host name of the control plane through the proxy: "
+            "http://<this host>/v1/... via HTTP(S)_PROXY is answered by the proxy itself.",
+        )
+        loader.add_option(
+            "polar_control_listen",
+            str,
+            "",
+            "Also serve the control plane on this port of its own: PORT or HOST:PORT "
+            "(host default 127.0.0.1). Empty: only through the proxy.",
+        )
+        loader.add_option(
+            "polar_policy_version",
+            str,
+            "",
+            "Policy version stamped on calls until the control plane sets another.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        opts = ctx.options
+        if "polar_control_token" in updated:
+            self.api.token = opts.polar_control_token
+        if "polar_control_host" in updated:
+            self.host = opts.polar_control_host.strip().lower() or DEFAULT_HOST
+        if "polar_policy_version" in updated:
+            self.state.policy_version = opts.polar_policy_version or None
+        if "polar_control_listen" in updated:
+            self.listen = None
+            if opts.polar_control_listen:
+                try:
+                    self.listen = parse_listen(opts.polar_control_listen)
+                except ValueError as e:
+                    _errors.fail(f"polar_control_listen: {e}")
+
+    async def running(self) -> None:
+        if self.listen is not None and self.server is None:
+            self.server = ControlServer(self.api)
+            try:
+                url = await self.server.start(*self.listen)
+            except OSError as e:
+                log.error("polar-mitm: polar_control_listen: cannot listen: %s", e)
+                self.server = None
+                return
+            log.info("polar-mitm: control plane listening on %s", url)
+        if not self.api.token:
+            log.info("polar-mitm: control plane off (no polar_control_token)")
+
+    async def done(self) -> None:
+        self.state.shutdown()  # calls waiting at a pause get a 503 instead of hanging
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.request.host.lower() != self.host:
+            return
+        status, obj = await self.api.handle(
+            flow.request.method,
+            flow.request.path,
+            flow.request.headers,
+            flow.request.get_content(strict=False) or b"",
+        )
+        body, headers = encode(status, obj)
+        flow.response = http.Response.make(status, body, headers)
+
+
 def polar_addons() -> list[object]:
-    """The addons of `mitmdump -s addons/polar.py`, wired together."""
+    """The addons of `mitmdump -s addons/polar.py`, wired together. The control state is the
+    first sink: it stamps `policy_version_end` before the store and the trajectories see a call."""
     identity = RolloutIdentityAddon()
     tokenizer = TokenizerAddon()
     retokenize = RetokenizeAddon(tokenizer)
     store = StoreAddon()
-    capture = CaptureAddon(identity, sinks=[store], retokenize=retokenize)
+    state = ControlState()
+    trajectory = TrajectoryAddon(store, state)
+    capture = CaptureAddon(
+        identity, sinks=[state, store, trajectory], retokenize=retokenize, control=state
+    )
+    control = ControlAddon(state, trajectory.rollouts)
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
-    # calls, then pending retokenizations drain, and only then does the store close.
-    return [ProxySetup(), identity, tokenizer, capture, retokenize, store]
+    # calls, then pending retokenizations drain, the trajectories write the open rollouts, and
+    # only then does the store close.
+    return [ProxySetup(), identity, tokenizer, control, capture, retokenize, trajectory, store]

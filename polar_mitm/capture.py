@@ -12,7 +12,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -74,7 +74,8 @@ class CallRecord:
     model_requested: str | None = None
     model_served: str | None = None
     policy_version: str | None = None
-    prompt_token_ids: list[int] | None = None
+    policy_version_end: str | None = None
+    prompt_token_ids: Sequence[int] | None = None  # array('i') from the capture path
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     ids_source: str | None = None

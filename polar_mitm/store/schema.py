@@ -38,7 +38,8 @@ CALLS_SCHEMA = pa.schema(
         pa.field("route", pa.string()),  # chat | token_in
         pa.field("model_requested", pa.string()),
         pa.field("model_served", pa.string()),
-        pa.field("policy_version", pa.string()),
+        pa.field("policy_version", pa.string()),  # when the call started
+        pa.field("policy_version_end", pa.string()),  # when it finished (differs: untrainable)
         pa.field("prompt_token_ids", _IDS),
         pa.field("output_token_ids", _IDS),
         pa.field("output_logprobs", _FLOATS),
@@ -74,6 +75,7 @@ TRACES_SCHEMA = pa.schema(
         pa.field("parent_trace_id", pa.string()),
         pa.field("parent_prefix_len", pa.int32()),
         pa.field("break_reason", pa.string()),
+        pa.field("break_detail", pa.string()),  # JSON: the evidence behind break_reason
         pa.field("call_ids", pa.list_(pa.string())),
         pa.field("call_offsets", _IDS),  # start of each call's new tokens in input_ids
         pa.field("input_ids", _IDS),

@@ -1,0 +1,428 @@
+"""The control plane: what a trainer tells the proxy, over HTTP on the proxy itself.
+
+Two ways in, one API (`ControlAPI`):
+
+- through the proxy, on the reserved host ``polar_control_host`` (default ``polar.control``):
+  ``curl -x http://proxy:8080 -H "Authorization: Bearer $TOKEN" http://polar.control/v1/status``;
+  mitmproxy answers it locally, nothing leaves the proxy (HTTPS works too, with the proxy's CA);
+- on a port of its own, when ``polar_control_listen`` is set (``127.0.0.1:8099``).
+
+Every request needs ``Authorization: Bearer <polar_control_token>`` (or ``x-polar-control-token``),
+compared in constant time; without a configured token the control plane refuses everything (403),
+with a wrong or missing one it answers 401 and changes nothing. Endpoints (JSON in, JSON out)::
+
+    GET  /v1/status                      paused, policy version, calls in flight / waiting
+    GET  /v1/policy                      {"policy_version"}
+    POST /v1/policy {"version": "s12"}   stamp every later call with this version
+    POST /v1/pause {"wait_s": 30}        new LLM calls wait; optionally wait for in-flight ones
+    POST /v1/resume                      let waiting calls go
+    GET  /v1/rollouts[?group=G&state=open|ended]
+    GET  /v1/groups                      GRPO groups with their samples
+    GET  /v1/rollouts/{id}               one rollout's summary
+    GET  /v1/rollouts/{id}/traces        its traces as JSON (a snapshot while open)
+    POST /v1/rollouts/{id}/end {"reward": 1.0, "status": "completed"}
+
+`ControlClient` is the trainer's side of it (standard library only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import http.client
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from aiohttp import web
+
+from .capture import CallRecord
+from .rollouts import RolloutError, Rollouts
+
+log = logging.getLogger(__name__)
+DEFAULT_HOST = "polar.control"
+TOKEN_HEADER = "x-polar-control-token"
+_BODY_LIMIT = 1 << 20
+
+
+class ControlState:
+    """Policy version, the pause gate, and the calls in flight: shared by the capture path
+    (which waits at the gate and stamps the version) and the control API.
+
+    It is also a `CallSink`, and must be the first one: it stamps `policy_version_end` on each
+    finished record before the store and the trajectories see it. (A call's own `trainable`
+    stays the capture path's verdict on its tokens; the traces of a rollout whose calls span
+    two versions are marked untrainable, see `trajectory.untrainable_reasons`.)
+    """
+
+    def __init__(self, policy_version: str | None = None) -> None:
+        self.policy_version = policy_version
+        self._open = asyncio.Event()
+        self._open.set()
+        self._closed = False
+        self.waiting = 0
+        self.resumed_at = 0.0  # time.monotonic() of the last resume: idle clocks restart there
+        self.in_flight: dict[str, str] = {}  # call_id -> rollout_id
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    async def admit(self) -> bool:
+        """Wait while paused; False when the proxy shuts down instead."""
+        if not self._open.is_set():
+            self.waiting += 1
+            try:
+                await self._open.wait()
+            finally:
+                self.waiting -= 1
+        return not self._closed
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> int:
+        waiting = self.waiting
+        if not self._open.is_set():
+            self.resumed_at = time.monotonic()
+        self._open.set()
+        return waiting
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._open.set()
+
+    def call_started(self, call_id: str, rollout_id: str) -> None:
+        self.in_flight[call_id] = rollout_id
+        self._idle.clear()
+
+    def call_finished(self, record: CallRecord) -> None:
+        record.policy_version_end = self.policy_version
+        if self.in_flight.pop(record.call_id, None) is not None and not self.in_flight:
+            self._idle.set()
+
+    def busy(self, rollout_id: str) -> bool:
+        return rollout_id in self.in_flight.values()
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the calls in flight to finish."""
+        if not self.in_flight:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "paused": self.paused,
+            "policy_version": self.policy_version,
+            "in_flight": len(self.in_flight),
+            "waiting": self.waiting,
+        }
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class ControlAPI:
+    """Routes one control request; transport-free so both ways in share it."""
+
+    def __init__(self, state: ControlState, rollouts: Rollouts) -> None:
+        self.state = state
+        self.rollouts = rollouts
+        self.token = ""
+
+    async def handle(
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes
+    ) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, JSON body) for a request; `target` is the raw path with its query."""
+        try:
+            self._authorize(headers)
+            path, _, query = target.partition("?")
+            parts = [unquote(p) for p in path.strip("/").split("/")]
+            if parts[:1] != ["v1"] or len(parts) < 2:
+                raise _Refused(404, f"no control endpoint {path!r} (they are under /v1/)")
+            return 200, await self._route(method.upper(), parts[1:], parse_qs(query), body)
+        except _Refused as e:
+            return e.status, {"error": {"message": e.message, "status": e.status}}
+        except RolloutError as e:
+            return e.status, {"error": {"message": e.message, "status": e.status}}
+
+    def _authorize(self, headers: Mapping[str, str]) -> None:
+        if not self.token:
+            raise _Refused(
+                403, "the control plane is off: start the proxy with --set polar_control_token=..."
+            )
+        auth = headers.get("authorization") or ""
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(TOKEN_HEADER, "")
+        if not hmac.compare_digest(given.encode(), self.token.encode()):
+            raise _Refused(401, "missing or wrong control token (Authorization: Bearer ...)")
+
+    async def _route(
+        self, method: str, parts: list[str], query: dict[str, list[str]], body: bytes
+    ) -> dict[str, Any]:
+        head = parts[0]
+        state = self.state
+        if parts == ["status"]:
+            _method(method, "GET")
+            return {**state.snapshot(), "rollouts_open": len(self.rollouts.open)}
+        if parts == ["policy"]:
+            if method == "GET":
+                return {"policy_version": state.policy_version}
+            _method(method, "POST", "PUT")
+            version = _json(body).get("version")
+            if version is not None and (not isinstance(version, str) or not version):
+                raise _Refused(400, "'version' must be a non-empty string or null")
+            previous, state.policy_version = state.policy_version, version
+            log.info("polar-mitm: policy version %s -> %s", previous, version)
+            return {"policy_version": version, "previous": previous}
+        if parts == ["pause"]:
+            _method(method, "POST")
+            wait_s = _json(body).get("wait_s", 0)
+            if (
+                isinstance(wait_s, bool)
+                or not isinstance(wait_s, int | float)
+                or not (math.isfinite(wait_s) and 0 <= wait_s <= 3600)
+            ):
+                raise _Refused(400, "'wait_s' must be a number of seconds between 0 and 3600")
+            state.pause()
+            drained = await state.drained(wait_s) if wait_s else not state.in_flight
+            return {**state.snapshot(), "drained": drained}
+        if parts == ["resume"]:
+            _method(method, "POST")
+            released = state.resume()
+            return {**state.snapshot(), "released": released}
+        if parts == ["groups"]:
+            _method(method, "GET")
+            return {"groups": self.rollouts.groups()}
+        if head == "rollouts" and len(parts) == 1:
+            _method(method, "GET")
+            group = (query.get("group") or [None])[0]
+            wanted = (query.get("state") or [None])[0]
+            return {"rollouts": self.rollouts.listing(group, wanted)}
+        if head == "rollouts" and len(parts) in (2, 3):
+            rollout_id = parts[1]
+            action = parts[2] if len(parts) == 3 else None
+            if action is None:
+                _method(method, "GET")
+                rollout = self.rollouts.get(rollout_id)
+                if rollout is None:
+                    raise _Refused(404, f"no rollout {rollout_id!r} is open or recently ended")
+                return rollout.summary(self.rollouts.allow)
+            if action == "traces":
+                _method(method, "GET")
+                return self.rollouts.traces_json(rollout_id)
+            if action == "end":
+                _method(method, "POST")
+                data = _json(body)
+                rollout = self.rollouts.end(
+                    rollout_id, reward=data.get("reward"), status=data.get("status", "completed")
+                )
+                return rollout.summary(self.rollouts.allow)
+        raise _Refused(404, f"no control endpoint /v1/{'/'.join(parts)}")
+
+
+def _method(method: str, *allowed: str) -> None:
+    if method not in allowed:
+        raise _Refused(405, f"use {' or '.join(allowed)} here, not {method}")
+
+
+def _json(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        return {}
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise _Refused(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise _Refused(400, "the body must be a JSON object")
+    return data
+
+
+def encode(status: int, obj: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """The response bytes and headers for an API answer."""
+    headers = {"content-type": "application/json", "cache-control": "no-store"}
+    if status == 401:
+        headers["www-authenticate"] = 'Bearer realm="polar-mitm control"'
+    return json.dumps(obj, ensure_ascii=False).encode(), headers
+
+
+class ControlServer:
+    """The control API on a port of its own (`polar_control_listen`)."""
+
+    def __init__(self, api: ControlAPI) -> None:
+        self.api = api
+        self._runner: web.AppRunner | None = None
+        self.url: str | None = None
+
+    async def start(self, host: str, port: int) -> str:
+        app = web.Application(client_max_size=_BODY_LIMIT)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        self._runner = runner
+        bound = runner.addresses[0]
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self.url = f"http://{shown}:{bound[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        status, obj = await self.api.handle(
+            request.method, request.raw_path, request.headers, await request.read()
+        )
+        body, headers = encode(status, obj)
+        return web.Response(status=status, body=body, headers=headers)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``PORT`` or ``HOST:PORT`` (``[v6]:PORT``) -> (host, port); host defaults to 127.0.0.1."""
+    host, sep, port = value.strip().rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", value.strip()
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not PORT or HOST:PORT")
+    return host, int(port)
+
+
+# -- the trainer's side -------------------------------------------------------------------------
+
+
+class ControlError(Exception):
+    """The control plane answered with an error (or could not be reached: status 0)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status, self.message = status, message
+
+
+class ControlClient:
+    """A trainer's handle on one proxy's control plane.
+
+        client = ControlClient(token, proxy="http://proxy-host:8080")     # via the reserved host
+        client = ControlClient(token, url="http://proxy-host:8099")       # polar_control_listen
+        client.pause(wait_s=60); client.set_policy_version("step-12"); client.resume()
+        client.end("django-11099.3", reward=1.0)
+        traces = client.traces("django-11099.3")["traces"]
+
+    Plain HTTP with the standard library: through the proxy a request goes in absolute form
+    (``GET http://polar.control/v1/...``), so no environment proxy settings are consulted.
+    """
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        proxy: str | None = None,
+        url: str | None = None,
+        host: str = DEFAULT_HOST,
+        timeout: float = 60.0,
+    ) -> None:
+        if (proxy is None) == (url is None):
+            raise ValueError(
+                "give exactly one of proxy= (the proxy's URL) or url= (the control port)"
+            )
+        parts = urlsplit(proxy or url or "")
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"{proxy or url!r} is not an http://HOST:PORT URL")
+        self.token = token
+        self.timeout = timeout
+        self._address = (parts.hostname, parts.port or 80)
+        self._via_proxy = proxy is not None
+        self._host = host
+        self._proxy_auth = None
+        if self._via_proxy and parts.username:
+            creds = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            self._proxy_auth = "Basic " + base64.b64encode(creds.encode()).decode()
+
+    # the API
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/status")
+
+    def policy_version(self) -> str | None:
+        return self._call("GET", "/v1/policy")["policy_version"]
+
+    def set_policy_version(self, version: str | None) -> dict[str, Any]:
+        return self._call("POST", "/v1/policy", {"version": version})
+
+    def pause(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """New LLM calls wait from now on; with `wait_s`, also wait (up to that long) for the
+        calls in flight to finish: the answer's ``drained`` says whether they did."""
+        return self._call("POST", "/v1/pause", {"wait_s": wait_s}, timeout=self.timeout + wait_s)
+
+    def resume(self) -> dict[str, Any]:
+        return self._call("POST", "/v1/resume", {})
+
+    def rollouts(self, group: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
+        query = "&".join(
+            f"{k}={quote(v, safe='')}" for k, v in (("group", group), ("state", state)) if v
+        )
+        return self._call("GET", "/v1/rollouts" + (f"?{query}" if query else ""))["rollouts"]
+
+    def groups(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/groups")["groups"]
+
+    def rollout(self, rollout_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/rollouts/{quote(rollout_id, safe='')}")
+
+    def traces(self, rollout_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/rollouts/{quote(rollout_id, safe='')}/traces")
+
+    def end(
+        self, rollout_id: str, reward: float | None = None, status: str = "completed"
+    ) -> dict[str, Any]:
+        return self._call(
+            "POST",
+            f"/v1/rollouts/{quote(rollout_id, safe='')}/end",
+            {"reward": reward, "status": status},
+        )
+
+    # transport
+    def _call(
+        self, method: str, path: str, body: Any = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Authorization": f"Bearer {self.token}", "Host": self._host}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        if self._proxy_auth:
+            headers["Proxy-Authorization"] = self._proxy_auth
+        target = f"http://{self._host}{path}" if self._via_proxy else path
+        conn = http.client.HTTPConnection(*self._address, timeout=timeout or self.timeout)
+        try:
+            conn.request(method, target, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except OSError as e:
+            raise ControlError(
+                0, f"control plane at {self._address[0]}:{self._address[1]} is not reachable: {e}"
+            ) from None
+        finally:
+            conn.close()
+        try:
+            obj = json.loads(raw) if raw else {}
+        except ValueError:
+            obj = {"error": {"message": raw[:200].decode("utf-8", "replace")}}
+        if resp.status != 200:
+            error = obj.get("error") if isinstance(obj, dict) else None
+            message = error.get("message") if isinstance(error, dict) else str(obj)
+            raise ControlError(resp.status, message or resp.reason)
+        return obj
