@@ -71,6 +71,18 @@ class _StartupErrors:
 _errors = _StartupErrors()
 
 
+def _seconds(name: str, value: str, *, zero_ok: bool = True) -> float | None:
+    """A duration option. They are str options: mitmproxy's `--set` cannot parse floats."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not (0 < seconds < float("inf") or zero_ok and seconds == 0):
+        _errors.fail(f"{name}: {value!r} is not a number of seconds")
+        return None
+    return seconds
+
+
 def _json_response(status: int, obj: object) -> http.Response:
     return http.Response.make(status, json.dumps(obj), {"content-type": "application/json"})
 
@@ -222,7 +234,7 @@ class StoreAddon:
         )
         loader.add_option("polar_flush_rows", int, 512, "Write a shard after this many rows.")
         loader.add_option(
-            "polar_flush_seconds", float, 30.0, "Write a shard after this many seconds."
+            "polar_flush_seconds", str, "30", "Write a shard after this many seconds."
         )
 
     def configure(self, updated: set[str]) -> None:
@@ -235,7 +247,8 @@ class StoreAddon:
                 output=opts.polar_output,
                 journal_dir=opts.polar_journal or None,
                 flush_rows=opts.polar_flush_rows,
-                flush_age_s=opts.polar_flush_seconds,
+                flush_age_s=_seconds("polar_flush_seconds", opts.polar_flush_seconds, zero_ok=False)
+                or 30.0,
             )
         except (ValueError, OSError) as e:
             _errors.fail(f"polar_output: {e}")
@@ -273,6 +286,8 @@ class CaptureAddon:
     ) -> None:
         self.identity = identity
         self.sinks = list(sinks)
+        self.stall_timeout = 300.0
+        self.connect_timeout = 10.0
         self.retokenize = retokenize
         self.control = control
         self.gateway = Gateway()
@@ -320,17 +335,26 @@ class CaptureAddon:
         )
         loader.add_option(
             "polar_upstream_timeout",
-            float,
-            300.0,
+            str,
+            "300",
             "Seconds the policy server may stay silent (before the first byte or between chunks) "
             "before the call fails with the dialect's error.",
         )
         loader.add_option(
-            "polar_connect_timeout", float, 10.0, "Seconds to wait for the policy server to accept."
+            "polar_connect_timeout", str, "10", "Seconds to wait for the policy server to accept."
         )
 
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
+        if "polar_upstream_timeout" in updated:
+            self.stall_timeout = (
+                _seconds("polar_upstream_timeout", opts.polar_upstream_timeout, zero_ok=False)
+                or 300.0
+            )
+        if "polar_connect_timeout" in updated:
+            self.connect_timeout = (
+                _seconds("polar_connect_timeout", opts.polar_connect_timeout, zero_ok=False) or 10.0
+            )
         if {"polar_upstream", "polar_upstream_kind"} & updated:
             self.upstream = None
             self.auto_base = None
@@ -369,9 +393,7 @@ class CaptureAddon:
             self.served_model = opts.polar_model or None
 
     async def running(self) -> None:
-        await self.gateway.start(
-            ctx.options.polar_connect_timeout, ctx.options.polar_upstream_timeout
-        )
+        await self.gateway.start(self.connect_timeout, self.stall_timeout)
         if self.auto_base is not None:
             await self._probe_kind(announce=True)
         model = await self._served_model(announce=True)
@@ -503,8 +525,8 @@ class CaptureAddon:
         settings = UpstreamSettings(
             self.upstream,
             await self._served_model(),
-            ctx.options.polar_connect_timeout,
-            ctx.options.polar_upstream_timeout,
+            self.connect_timeout,
+            self.stall_timeout,
             self.retokenize.retokenizer if self.retokenize is not None else None,
         )
         call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
@@ -622,7 +644,7 @@ class TrajectoryAddon:
         self._idle_task: asyncio.Task | None = None
 
     def load(self, loader) -> None:
-        loader.add_option(  # a str: mitmproxy's --set cannot parse float options
+        loader.add_option(
             "polar_rollout_idle",
             str,
             "0",
@@ -663,16 +685,8 @@ class TrajectoryAddon:
             else:
                 self.rollouts.keep_ended = opts.polar_keep_ended
         if "polar_rollout_idle" in updated:
-            try:
-                idle = float(opts.polar_rollout_idle or 0)
-            except ValueError:
-                idle = -1.0
-            if not 0 <= idle < float("inf"):
-                _errors.fail(
-                    f"polar_rollout_idle: {opts.polar_rollout_idle!r} is not 0 (off) or a "
-                    "number of seconds"
-                )
-            else:
+            idle = _seconds("polar_rollout_idle", opts.polar_rollout_idle or "0")
+            if idle is not None:
                 self.idle_s = idle
 
     def running(self) -> None:

@@ -106,7 +106,12 @@ class Call:
         self.record.model_served = body.get("model")
         self.upstream_body = body
         try:
-            async with session.post(upstream.chat_url, json=body) as resp:
+            timeout = aiohttp.ClientTimeout(
+                total=None,
+                connect=self.settings.connect_timeout,
+                sock_read=self.settings.stall_timeout,
+            )
+            async with session.post(upstream.chat_url, json=body, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise await self._upstream_error(resp)
                 if stream_upstream:
