@@ -33,13 +33,14 @@ from .capture import (
     secret_values,
 )
 from .certs import DEFAULT_CONFDIR
-from .dialects import Dialect, DialectError, detect
+from .dialects import Dialect, DialectError, HarnessRequest, detect
 from .exchange import Call, UpstreamSettings
 from .fidelity import PolicyTokenizer, TokenizerError, load_tokenizer
 from .gateway import Gateway
 from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, resolve
 from .retokenize import Retokenizer
 from .store import Store
+from .tokencount import PromptCounter
 from .upstream import UPSTREAMS, Upstream, kind_from_models
 
 log = logging.getLogger("polar_mitm")
@@ -260,10 +261,12 @@ class CaptureAddon:
         identity: RolloutIdentityAddon,
         sinks: Sequence[CallSink],
         retokenize: RetokenizeAddon | None = None,
+        tokenizer: TokenizerAddon | None = None,
     ) -> None:
         self.identity = identity
         self.sinks = list(sinks)
         self.retokenize = retokenize
+        self.tokenizer = tokenizer  # for requests answered locally (count_tokens)
         self.gateway = Gateway()
         self.upstream: Upstream | None = None
         self.auto_base: str | None = None  # polar_upstream_kind=auto: the URL still to probe
@@ -480,6 +483,9 @@ class CaptureAddon:
         record.stream = req.stream
         record.model_requested = req.model
         record.purpose = req.purpose
+        if req.local:
+            await self._answer_locally(flow, dialect, req, record)
+            return
         settings = UpstreamSettings(
             self.upstream,
             await self._served_model(),
@@ -513,6 +519,32 @@ class CaptureAddon:
         record.http_status = e.status
         record.finished_at = now_us()
         record.status, record.error, record.ids_source = "error", e.message, "none"
+        deliver(record, self.sinks)
+
+    async def _answer_locally(
+        self, flow: http.HTTPFlow, dialect: Dialect, req: HarnessRequest, record: CallRecord
+    ) -> None:
+        """A request the dialect answers itself (e.g. count_tokens): no upstream call; the
+        record says route=local and has no ids, so it never enters a trace."""
+        assert self.upstream is not None
+        tok = self.tokenizer.tokenizer if self.tokenizer is not None else None
+        counter = PromptCounter(tok, self.upstream.template_flavor)
+        record.route = "local"
+        try:
+            reply = await asyncio.to_thread(dialect.local_reply, req, counter)
+        except DialectError as e:
+            self._refuse(flow, dialect, record, e)
+            return
+        except Exception as e:  # a tokenizer failure must still answer and leave a record
+            log.exception("polar-mitm: local answer for call %s failed", record.call_id)
+            self._refuse(flow, dialect, record, DialectError(f"polar-mitm: {e}", 500, "server_error"))
+            return
+        body = json.dumps(reply).encode()
+        flow.response = http.Response.make(200, body, {"content-type": "application/json"})
+        record.http_status = 200
+        record.first_byte_at = record.finished_at = now_us()
+        record.status, record.ids_source = "completed", "none"
+        record.response_json = json.dumps(reply)
         deliver(record, self.sinks)
 
     def _call_done(self, call: Call) -> None:
@@ -593,7 +625,7 @@ def polar_addons() -> list[object]:
     tokenizer = TokenizerAddon()
     retokenize = RetokenizeAddon(tokenizer)
     store = StoreAddon()
-    capture = CaptureAddon(identity, sinks=[store], retokenize=retokenize)
+    capture = CaptureAddon(identity, sinks=[store], retokenize=retokenize, tokenizer=tokenizer)
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
     # calls, then pending retokenizations drain, and only then does the store close.
     return [ProxySetup(), identity, tokenizer, capture, retokenize, store]

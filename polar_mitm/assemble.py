@@ -158,7 +158,10 @@ def reply_to_chunks(reply: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
         )
-    chunks.append(chunk({}, choice.get("finish_reason") or "stop"))
+    final = chunk({}, choice.get("finish_reason") or "stop")
+    if choice.get("stop_reason") is not None:  # vLLM: the stop string or token that ended it
+        final["choices"][0]["stop_reason"] = choice["stop_reason"]
+    chunks.append(final)
     if reply.get("usage"):
         chunks.append({**base, "choices": [], "usage": reply["usage"]})
     return chunks

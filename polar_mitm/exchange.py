@@ -20,7 +20,7 @@ import aiohttp
 
 from .assemble import ChatAssembler, reply_to_chunks
 from .capture import CallRecord, CallSink, deliver, now_us, redacted_json
-from .dialects import Dialect, HarnessRequest
+from .dialects import Dialect, HarnessRequest, StreamTranslator
 from .retokenize import RetokenizeJob, Retokenizer
 from .sse import SSEParser
 from .upstream import TokenTally, Upstream
@@ -86,6 +86,8 @@ class Call:
         self.tally = TokenTally()
         self.assembler = ChatAssembler()
         self.upstream_body: dict[str, Any] | None = None
+        # The harness's stream, kept so that a failure ends the very stream it started.
+        self.translator: StreamTranslator | None = None
         self.task: asyncio.Task | None = None
         self._finished = False
         self._abort = ("client_aborted", "the harness closed the connection")
@@ -138,7 +140,7 @@ class Call:
             await self._answer_error(out, UpstreamFailed(f"polar-mitm internal error: {e}", 500))
 
     async def _relay_stream(self, resp: aiohttp.ClientResponse, out: Output) -> None:
-        translator = self.dialect.stream(self.req)
+        translator = self.translator = self.dialect.stream(self.req)
         parser = SSEParser()
         upstream = self.settings.upstream
         await out.start(200, translator.content_type)
@@ -153,6 +155,8 @@ class Call:
                 if "error" in chunk and not chunk.get("choices"):
                     raise UpstreamFailed(f"upstream error mid-stream: {_error_message(chunk)}")
                 upstream.take_chunk(chunk, self.tally)
+                if translator.prompt_tokens is None and self.tally.prompt_ids is not None:
+                    translator.prompt_tokens = len(self.tally.prompt_ids)
                 self.assembler.feed(chunk)
                 piece = translator.chunk(chunk)
                 if piece:
@@ -177,7 +181,9 @@ class Call:
             raise UpstreamFailed("upstream reply is not a chat completion")
         self.settings.upstream.take_reply(reply, self.tally)
         if self.req.stream:  # the server cannot stream with token flags: synthesize the stream
-            translator = self.dialect.stream(self.req)
+            translator = self.translator = self.dialect.stream(self.req)
+            if self.tally.prompt_ids is not None:
+                translator.prompt_tokens = len(self.tally.prompt_ids)
             await out.start(200, translator.content_type)
             pieces = []
             for chunk in reply_to_chunks(reply):
@@ -215,7 +221,8 @@ class Call:
         self.record.http_status = e.status
         try:
             if out.started:
-                await out.write(self.dialect.stream(self.req).fail(e.message, e.kind))
+                translator = self.translator or self.dialect.stream(self.req)
+                await out.write(translator.fail(e.message, e.kind))
             else:
                 await out.send(e.status, self.dialect.error_bytes(e.status, e.message, e.kind))
         except ClientGone:
