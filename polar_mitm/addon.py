@@ -483,6 +483,7 @@ class CaptureAddon:
         record.stream = req.stream
         record.model_requested = req.model
         record.purpose = req.purpose
+        record.translation_notes = list(req.notes)
         if req.local:
             await self._answer_locally(flow, dialect, req, record)
             return

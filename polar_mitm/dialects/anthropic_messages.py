@@ -55,12 +55,14 @@ from .convert import (
     number,
     positive_int,
     safe_id,
+    seal,
     text_part,
+    unseal,
 )
 
-# The thinking blocks we send carry this signature: Claude Code sends thinking back only with one,
-# and nothing here verifies it.
-SIGNATURE = "polar-mitm"
+# Claude Code's first system block: per-request billing metadata (its `cch=` changes every call),
+# not instructions. Rendered, it would make every prompt differ from the previous call's prefix.
+BILLING_HEADER = "x-anthropic-billing-header:"
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -99,15 +101,23 @@ class AnthropicMessages(Dialect):
         raw_messages = require(data, "messages", list, "a list of messages")
         if not raw_messages:
             raise DialectError("'messages' must not be empty")
+        notes: list[str] = []
         builder = ChatBuilder()
-        system = _system_text(data.get("system"))
+        system = _system_text(data.get("system"), notes)
         if system:
             builder.system(system)
+        loaded: set[str] = set()  # deferred tools a tool_reference made available
         for i, message in enumerate(raw_messages):
-            _add_message(builder, message, f"messages[{i}]")
+            _add_message(builder, message, f"messages[{i}]", loaded, notes)
         chat: dict[str, Any] = {"messages": builder.result()}
         raw_tools = optional(data, "tools", list, "a list of tools") or []
-        tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(raw_tools)]
+        tools = []
+        for i, raw in enumerate(raw_tools):
+            tool = _tool(raw, f"tools[{i}]")
+            if raw.get("defer_loading") and raw.get("name") not in loaded:
+                notes.append(f"deferred tool not offered: {raw.get('name')}")
+            else:
+                tools.append(tool)
         if tools:
             chat["tools"] = tools
         choice, parallel = _tool_choice(data.get("tool_choice"))
@@ -130,12 +140,18 @@ class AnthropicMessages(Dialect):
             if not all(isinstance(s, str) for s in stops):
                 raise DialectError("'stop_sequences' must be a list of strings")
             chat["stop"] = stops
-        thinking = optional(data, "thinking", dict, "an object")
-        if thinking is not None:
+        thinking = optional(data, "thinking", dict, "an object") or {}
+        kwargs: dict[str, Any] = {}
+        if thinking:
             kind = thinking.get("type")
             if kind not in ("enabled", "adaptive", "disabled"):
                 raise DialectError("'thinking.type' must be enabled, adaptive or disabled")
-            chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+            kwargs["enable_thinking"] = kind != "disabled"
+        effort = (optional(data, "output_config", dict, "an object") or {}).get("effort")
+        if isinstance(effort, str):
+            kwargs["reasoning_effort"] = effort
+        if kwargs:
+            chat["chat_template_kwargs"] = kwargs
         return HarnessRequest(
             body=data,
             model=model,
@@ -143,7 +159,8 @@ class AnthropicMessages(Dialect):
             chat=chat,
             purpose="count_tokens" if counting else _purpose(data, system),
             local=counting,
-            extra={"stops": stops or []},
+            extra={"stops": stops or [], "show_thinking": thinking.get("display") != "omitted"},
+            notes=notes,
         )
 
     def reply(self, req: HarnessRequest, chat_reply: dict[str, Any]) -> dict[str, Any]:
@@ -184,18 +201,22 @@ def _is_claude_code(data: dict[str, Any], system: str) -> bool:
     return "Claude Code" in system or (isinstance(user, str) and "session" in user)
 
 
-def _system_text(system: Any) -> str:
+def _system_text(system: Any, notes: list[str], where: str = "system") -> str:
     if system is None or system == "":
         return ""
     if isinstance(system, str):
         return system
     if not isinstance(system, list):
-        raise DialectError("'system' must be a string or a list of text blocks")
+        raise DialectError(f"'{where}' must be a string or a list of text blocks")
     texts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text":
-            raise DialectError(f"system[{i}] must be a text block")
-        texts.append(str(block.get("text") or ""))
+            raise DialectError(f"{where}[{i}] must be a text block")
+        text = str(block.get("text") or "")
+        if text.startswith(BILLING_HEADER):
+            notes.append(f"dropped {where}[{i}]: {BILLING_HEADER} block")
+            continue
+        texts.append(text)
     return "\n".join(texts)
 
 
@@ -210,14 +231,19 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     return content
 
 
-def _add_message(builder: ChatBuilder, message: Any, where: str) -> None:
+def _add_message(
+    builder: ChatBuilder, message: Any, where: str, loaded: set[str], notes: list[str]
+) -> None:
     if not isinstance(message, dict):
         raise DialectError(f"{where} must be an object")
     role = message.get("role")
+    if role == "system":  # not in Anthropic's API, but Claude Code sends one (its environment)
+        builder.system(_system_text(message.get("content"), notes, f"{where}.content"))
+        return
     blocks = _blocks(message.get("content"), f"{where}.content")
     if role == "assistant":
         for j, block in enumerate(blocks):
-            _assistant_block(builder, block, f"{where}.content[{j}]")
+            _assistant_block(builder, block, f"{where}.content[{j}]", notes)
         if not blocks:
             builder.assistant_text("")
         builder.end_turn()
@@ -232,7 +258,7 @@ def _add_message(builder: ChatBuilder, message: Any, where: str) -> None:
                 call_id = block.get("tool_use_id")
                 if not isinstance(call_id, str) or not call_id:
                     raise DialectError(f"{at} needs a string 'tool_use_id'")
-                builder.tool_result(call_id, _result_content(block.get("content"), at))
+                builder.tool_result(call_id, _result_content(block.get("content"), at, loaded))
             else:
                 parts.append(_user_part(block, at))
         if parts or not blocks:
@@ -241,16 +267,27 @@ def _add_message(builder: ChatBuilder, message: Any, where: str) -> None:
         raise DialectError(f"{where}.role must be 'user' or 'assistant'")
 
 
-def _assistant_block(builder: ChatBuilder, block: dict[str, Any], where: str) -> None:
+def thinking_text(block: dict[str, Any]) -> str:
+    """A thinking block's text, or the copy sealed in its signature (`display: omitted` replies
+    carry the thinking only there, and Claude Code sends them back that way)."""
+    text = block.get("thinking")
+    if text:
+        return str(text)
+    return unseal(block.get("signature")) or ""
+
+
+def _assistant_block(
+    builder: ChatBuilder, block: dict[str, Any], where: str, notes: list[str]
+) -> None:
     kind = block["type"]
     if kind == "text":
         builder.assistant_text(str(block.get("text") or ""))
     elif kind == "thinking":
-        thinking = block.get("thinking")
+        thinking = thinking_text(block)
         if thinking:
-            builder.reasoning(str(thinking))
-    elif kind == "redacted_thinking":
-        pass  # Anthropic's encrypted thinking: no text to render (see the module docstring)
+            builder.reasoning(thinking)
+    elif kind == "redacted_thinking":  # Anthropic's own ciphertext: nothing the policy can read
+        notes.append(f"skipped {where}: redacted_thinking")
     elif kind == "tool_use":
         call_id, name = block.get("id"), block.get("name")
         if not isinstance(call_id, str) or not isinstance(name, str) or not name:
@@ -286,12 +323,21 @@ def _image_url(source: Any, where: str) -> str:
     raise DialectError(f"{where}: an image needs a base64 or url 'source'")
 
 
-def _result_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+def _result_content(content: Any, where: str, loaded: set[str]) -> str | list[dict[str, Any]]:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    parts = [_user_part(b, f"{where}.content[{k}]") for k, b in enumerate(_blocks(content, where))]
+    parts = []
+    for k, block in enumerate(_blocks(content, where)):
+        if block["type"] == "tool_reference":  # ToolSearch found a deferred tool: offer it
+            name = block.get("tool_name")
+            if not isinstance(name, str) or not name:
+                raise DialectError(f"{where}.content[{k}]: tool_reference needs a 'tool_name'")
+            loaded.add(name)
+            parts.append(text_part(name))
+        else:
+            parts.append(_user_part(block, f"{where}.content[{k}]"))
     return content_of(parts)
 
 
@@ -310,7 +356,8 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     if schema is not None and not isinstance(schema, dict):
         raise DialectError(f"{where}.input_schema must be an object")
     description = tool.get("description")
-    return function_tool(name, description if isinstance(description, str) else None, schema)
+    text = description if isinstance(description, str) else None
+    return function_tool(name, text, schema, tool.get("strict"))
 
 
 def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
@@ -344,6 +391,7 @@ class _MessagesStream(BlockStream):
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.final_usage: dict[str, Any] = {}
+        self.show_thinking = req.extra.get("show_thinking", True)
 
     def event(self, kind: str, payload: dict[str, Any]) -> None:
         if self.live:
@@ -374,12 +422,15 @@ class _MessagesStream(BlockStream):
 
     def on_reasoning(self, text: str) -> None:
         self.pieces.append(text)
-        self._delta({"type": "thinking_delta", "thinking": text})
+        if self.show_thinking:
+            self._delta({"type": "thinking_delta", "thinking": text})
 
     def on_close_reasoning(self) -> None:
-        self._delta({"type": "signature_delta", "signature": SIGNATURE})
         thinking = "".join(self.pieces)
-        self._stop_block({"type": "thinking", "thinking": thinking, "signature": SIGNATURE})
+        signature = seal(thinking)
+        self._delta({"type": "signature_delta", "signature": signature})
+        shown = thinking if self.show_thinking else ""
+        self._stop_block({"type": "thinking", "thinking": shown, "signature": signature})
 
     def on_open_text(self) -> None:
         self._start_block({"type": "text", "text": ""})

@@ -38,6 +38,8 @@ class HarnessRequest:
     wants_usage: bool = False  # chat streams: the harness asked for the usage chunk
     purpose: str = "main"  # main | side | title | summary | count_tokens ... (CallRecord.purpose)
     local: bool = False  # answered by `Dialect.local_reply`, without an upstream call
+    # What the translation left out or changed, one line each (CallRecord.translation_notes).
+    notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # dialect-private state
 
 

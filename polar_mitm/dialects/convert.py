@@ -14,6 +14,8 @@ them — into chat messages with one rule set for everyone:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import uuid
 from typing import Any
@@ -35,6 +37,26 @@ def safe_id(value: str | None, prefix: str) -> str:
     return new_id(prefix)
 
 
+SEAL = "polar1:"
+
+
+def seal(reasoning: str) -> str:
+    """The thinking as the opaque field a dialect round-trips (Responses `encrypted_content`,
+    Anthropic `signature`): not encrypted, only base64, so it comes back next turn even from a
+    harness that drops the plain text (Claude Code with `display: omitted`)."""
+    return SEAL + base64.b64encode(reasoning.encode()).decode()
+
+
+def unseal(value: Any) -> str | None:
+    """The thinking `seal` packed, or None for a value we did not make (e.g. the real API's)."""
+    if not isinstance(value, str) or not value.startswith(SEAL):
+        return None
+    try:
+        return base64.b64decode(value[len(SEAL) :], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
@@ -50,11 +72,15 @@ def content_of(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     return parts
 
 
-def function_tool(name: str, description: str | None, parameters: Any) -> dict[str, Any]:
+def function_tool(
+    name: str, description: str | None, parameters: Any, strict: Any = None
+) -> dict[str, Any]:
     function: dict[str, Any] = {"name": name}
     if description:
         function["description"] = description
     function["parameters"] = parameters if parameters is not None else {"type": "object"}
+    if isinstance(strict, bool):
+        function["strict"] = strict
     return {"type": "function", "function": function}
 
 

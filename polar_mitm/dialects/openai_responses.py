@@ -12,15 +12,16 @@ Request (`parse`):
   names them (`item_reference`, `previous_response_id` and `conversation` need stored responses,
   which a proxy with `store: false` harnesses never has);
 * tools come from `tools` and from `additional_tools` input items (Codex puts them there); tools
-  inside a `namespace` are offered as `<namespace>.<name>`; a custom (freeform) tool is offered as
+  inside a `namespace` are offered as `<namespace>.<name>`, except in the default `functions`
+  namespace (Codex's `exec`), whose tools keep their bare names; a custom (freeform) tool is offered as
   a function with one string argument, `input`, its grammar quoted in the description; hosted
   tools the policy cannot run (web search, file search, ...) are not offered;
 * `reasoning.effort` becomes `chat_template_kwargs` (`enable_thinking` false only for `none`).
 
 Reply: reasoning becomes a `reasoning` item whose text is in `content` (`reasoning_text`) and,
 when the harness asks for `reasoning.encrypted_content` (Codex always does), also in
-`encrypted_content` — not encrypted: `polar1:` + base64 of the text, so it comes back next turn
-even from clients that drop the plain text. A call of a custom tool becomes a `custom_tool_call`
+`encrypted_content` (`convert.seal`: base64, not encrypted), so it comes back next turn even
+from clients that drop the plain text. A call of a custom tool becomes a `custom_tool_call`
 whose `input` is the `input` argument (streamed as `custom_tool_call_input.delta` while it is
 being written); `length` ends the stream with `response.incomplete` (`max_output_tokens`), as
 OpenAI does; an upstream failure mid-stream ends it with `response.failed`.
@@ -28,8 +29,6 @@ OpenAI does; an upstream failure mid-stream ends it with `response.failed`.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import re
 import time
@@ -51,10 +50,11 @@ from .convert import (
     number,
     positive_int,
     safe_id,
+    seal,
     text_part,
+    unseal,
 )
 
-SEAL = "polar1:"
 # Tools run by OpenAI's servers: nothing behind this proxy can run them, so they are not offered.
 HOSTED_TOOLS = frozenset(
     {
@@ -97,8 +97,14 @@ class ToolRef:
     namespace: str | None = None
 
 
+# The namespace of plain function tools: Codex puts `exec` in it and sends its calls back
+# without a namespace, so its tools are offered (and answered) by their bare names.
+DEFAULT_NAMESPACE = "functions"
+
+
 def flat_name(namespace: str | None, name: str) -> str:
-    return f"{namespace}.{name}" if namespace else name
+    """The function name the policy sees for a (namespace, name) tool."""
+    return f"{namespace}.{name}" if namespace and namespace != DEFAULT_NAMESPACE else name
 
 
 class _Tools:
@@ -107,6 +113,7 @@ class _Tools:
     def __init__(self) -> None:
         self.chat: dict[str, dict[str, Any]] = {}  # flat name -> chat tool, in first-seen order
         self.refs: dict[str, ToolRef] = {}
+        self.notes: list[str] = []
 
     def add_all(self, tools: Any, where: str) -> None:
         if not isinstance(tools, list):
@@ -114,7 +121,9 @@ class _Tools:
         for i, tool in enumerate(tools):
             self.add(tool, f"{where}[{i}]")
 
-    def add(self, tool: Any, where: str, namespace: str | None = None) -> None:
+    def add(
+        self, tool: Any, where: str, namespace: str | None = None, ns_description: str = ""
+    ) -> None:
         if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
             raise DialectError(f"{where} must be an object with a string 'type'")
         kind = tool["type"]
@@ -125,10 +134,12 @@ class _Tools:
             children = tool.get("tools")
             if not isinstance(children, list):
                 raise DialectError(f"{where}: a namespace needs a list of 'tools'")
+            about = tool.get("description") if isinstance(tool.get("description"), str) else ""
             for j, child in enumerate(children):
-                self.add(child, f"{where}.tools[{j}]", ns)
+                self.add(child, f"{where}.tools[{j}]", ns, about)
             return
         if kind in HOSTED_TOOLS:
+            self.notes.append(f"hosted tool not offered: {kind}")
             return
         if kind not in ("function", "custom"):
             raise DialectError(f"{where}: tool type {kind!r} is not supported by polar-mitm")
@@ -138,15 +149,17 @@ class _Tools:
         description = tool.get("description")
         if description is not None and not isinstance(description, str):
             raise DialectError(f"{where}.description must be a string")
+        if ns_description:  # the namespace's own description, once per tool the policy sees
+            description = f"{ns_description}\n\n{description}" if description else ns_description
         flat = flat_name(namespace, name)
         if kind == "function":
-            chat = function_tool(flat, description, tool.get("parameters"))
+            chat = function_tool(flat, description, tool.get("parameters"), tool.get("strict"))
         else:
             chat = function_tool(
                 flat, _custom_description(description, tool.get("format")), _CUSTOM_INPUT_SCHEMA
             )
         self.chat[flat] = chat
-        self.refs[flat] = ToolRef(kind, name, namespace)
+        self.refs[flat] = ToolRef(kind, name, None if namespace == DEFAULT_NAMESPACE else namespace)
 
     def flat(self, item: dict[str, Any], where: str) -> str:
         name = item.get("name")
@@ -162,19 +175,6 @@ def _custom_description(description: str | None, fmt: Any) -> str:
         syntax = fmt.get("syntax") or "lark"
         text += f"\n\nThe input must match this {syntax} grammar:\n{fmt['definition']}"
     return text.strip()
-
-
-def seal(reasoning: str) -> str:
-    return SEAL + base64.b64encode(reasoning.encode()).decode()
-
-
-def unseal(value: Any) -> str | None:
-    if not isinstance(value, str) or not value.startswith(SEAL):
-        return None
-    try:
-        return base64.b64decode(value[len(SEAL) :], validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
-        return None
 
 
 def reasoning_text(item: dict[str, Any]) -> str:
@@ -310,6 +310,7 @@ class OpenAIResponses(Dialect):
                 "tools": tools.refs,
                 "seal": "reasoning.encrypted_content" in include,
             },
+            notes=tools.notes,
         )
 
     def reply(self, req: HarnessRequest, chat_reply: dict[str, Any]) -> dict[str, Any]:
@@ -541,7 +542,7 @@ class _ResponsesStream(BlockStream):
         self.req = req
         self.live = live
         self.refs: dict[str, ToolRef] = req.extra.get("tools") or {}
-        self.seal = bool(req.extra.get("seal"))
+        self.sealing = bool(req.extra.get("seal"))
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.item: dict[str, Any] = {}
@@ -615,7 +616,7 @@ class _ResponsesStream(BlockStream):
         self.on_item("response.reasoning_text.done", content_index=0, text=text)
         self.on_item("response.content_part.done", content_index=0, part=part)
         item["content"] = [part]
-        if self.seal:
+        if self.sealing:
             item["encrypted_content"] = seal(text)
         self._done(item)
 
