@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +28,13 @@ from .upstream import TokenTally, Upstream
 
 log = logging.getLogger(__name__)
 _ERROR_BODY_LIMIT = 64 << 10
+# vLLM's and SGLang's refusals of an output cap that does not fit beside the prompt (not of a
+# prompt that is itself too long, which no retry can help).
+_CAP_TOO_LARGE = re.compile(
+    r"(?is)(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
+    r".*maximum context length|maximum context length.*"
+    r"(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
+)
 
 
 class ClientGone(Exception):
@@ -107,13 +115,18 @@ class Call:
         self.record.model_served = body.get("model")
         self.upstream_body = body
         try:
-            async with session.post(upstream.chat_url, json=body) as resp:
-                if resp.status != 200:
-                    raise await self._upstream_error(resp)
-                if stream_upstream:
-                    await self._relay_stream(resp, out)
-                else:
-                    await self._relay_reply(resp, out)
+            for retry in (False, True):
+                async with session.post(upstream.chat_url, json=body) as resp:
+                    if resp.status != 200:
+                        failure = await self._upstream_error(resp)
+                        if not retry and self._drop_output_cap(resp.status, failure, body):
+                            continue
+                        raise failure
+                    if stream_upstream:
+                        await self._relay_stream(resp, out)
+                    else:
+                        await self._relay_reply(resp, out)
+                    break
         except ClientGone:
             self.finish("client_aborted", "the harness closed the connection mid-reply")
         except asyncio.CancelledError:
@@ -216,6 +229,23 @@ class Call:
         if resp.status == 429:
             kind = "rate_limit_error"
         return UpstreamFailed(message, resp.status, kind)
+
+    def _drop_output_cap(self, status: int, failure: UpstreamFailed, body: dict[str, Any]) -> bool:
+        """The harness's output cap is an upper bound (Claude Code asks up to 128000), but vLLM
+        and SGLang refuse a request whose prompt plus cap exceeds the context instead of
+        clamping it. Without the cap they generate to the end of the context, which is less
+        than the cap, so sending it again without one is the clamp the harness meant."""
+        if status != 400 or not _CAP_TOO_LARGE.search(failure.message):
+            return False
+        caps = [key for key in ("max_tokens", "max_completion_tokens") if key in body]
+        if not caps:
+            return False
+        for key in caps:
+            cap = body.pop(key)
+        self.record.translation_notes.append(
+            f"{caps[0]}={cap} dropped: the prompt plus it exceeds the model's context"
+        )
+        return True
 
     async def _answer_error(self, out: Output, e: UpstreamFailed) -> None:
         self.record.http_status = e.status

@@ -28,7 +28,10 @@ SHELL_SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "re
 CUSTOM_SCHEMA = {
     "type": "object",
     "properties": {
-        "input": {"type": "string", "description": "The tool's whole input, as free text (not JSON)."}
+        "input": {
+            "type": "string",
+            "description": "The tool's whole input, as free text (not JSON).",
+        }
     },
     "required": ["input"],
     "additionalProperties": False,
@@ -110,7 +113,11 @@ RESPONSES_CASES = [
             "model": "gpt-5",
             "input": [
                 {"role": "developer", "content": "dev rules"},
-                {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "s1"}]},
+                {
+                    "type": "message",
+                    "role": "system",
+                    "content": [{"type": "input_text", "text": "s1"}],
+                },
                 {
                     "type": "message",
                     "role": "user",
@@ -125,7 +132,10 @@ RESPONSES_CASES = [
                 {
                     "type": "message",
                     "role": "user",
-                    "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+                    "content": [
+                        {"type": "input_text", "text": "a"},
+                        {"type": "input_text", "text": "b"},
+                    ],
                 },
             ],
         },
@@ -183,17 +193,36 @@ RESPONSES_CASES = [
                 {
                     "type": "custom_tool_call_output",
                     "call_id": "call_2",
-                    "output": [{"type": "input_text", "text": "Done"}, {"type": "input_text", "text": "ok"}],
+                    "output": [
+                        {"type": "input_text", "text": "Done"},
+                        {"type": "input_text", "text": "ok"},
+                    ],
                 },
-                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "a summary"}],
-                 "encrypted_content": "gAAAA-real-openai-ciphertext"},
-                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "3"}]},
+                {
+                    "type": "reasoning",
+                    "summary": [{"type": "summary_text", "text": "a summary"}],
+                    "encrypted_content": "gAAAA-real-openai-ciphertext",
+                },
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "3"}],
+                },
                 {"role": "user", "content": "thanks"},
             ],
             "tools": [
-                {"type": "function", "name": "run_shell", "parameters": SHELL_SCHEMA, "strict": False},
-                {"type": "custom", "name": "apply_patch", "description": "Patch files.",
-                 "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+                {
+                    "type": "function",
+                    "name": "run_shell",
+                    "parameters": SHELL_SCHEMA,
+                    "strict": False,
+                },
+                {
+                    "type": "custom",
+                    "name": "apply_patch",
+                    "description": "Patch files.",
+                    "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+                },
                 {"type": "web_search"},
             ],
             "tool_choice": "auto",
@@ -214,8 +243,9 @@ RESPONSES_CASES = [
                 {
                     "role": "assistant",
                     "content": "",
-                    "tool_calls": [call("call_2", "apply_patch",
-                                        '{"input":"*** Begin Patch\\n*** End Patch"}')],
+                    "tool_calls": [
+                        call("call_2", "apply_patch", '{"input":"*** Begin Patch\\n*** End Patch"}')
+                    ],
                     "reasoning": "only sealed",
                 },
                 {"role": "tool", "tool_call_id": "call_2", "content": "Done\nok"},
@@ -224,8 +254,11 @@ RESPONSES_CASES = [
             ],
             "tools": [
                 fn("run_shell", SHELL_SCHEMA, strict=False),
-                fn("apply_patch", CUSTOM_SCHEMA,
-                   "Patch files.\n\nThe input must match this lark grammar:\nstart: /.+/"),
+                fn(
+                    "apply_patch",
+                    CUSTOM_SCHEMA,
+                    "Patch files.\n\nThe input must match this lark grammar:\nstart: /.+/",
+                ),
             ],
             "tool_choice": "auto",
             "parallel_tool_calls": False,
@@ -236,36 +269,72 @@ RESPONSES_CASES = [
     pytest.param(
         {
             "input": [
-                {"type": "additional_tools", "role": "developer", "tools": [
-                    {"type": "namespace", "name": "functions", "description": "", "tools": [
-                        {"type": "custom", "name": "exec", "description": "Run JS.",
-                         "format": {"type": "text"}},
-                    ]},
-                    {"type": "namespace", "name": "collaboration", "description": "Sub-agents.",
-                     "tools": [{"type": "function", "name": "spawn_agent", "parameters": {}}]},
-                ]},
+                {
+                    "type": "additional_tools",
+                    "role": "developer",
+                    "tools": [
+                        {
+                            "type": "namespace",
+                            "name": "functions",
+                            "description": "",
+                            "tools": [
+                                {
+                                    "type": "custom",
+                                    "name": "exec",
+                                    "description": "Run JS.",
+                                    "format": {"type": "text"},
+                                },
+                            ],
+                        },
+                        {
+                            "type": "namespace",
+                            "name": "collaboration",
+                            "description": "Sub-agents.",
+                            "tools": [
+                                {"type": "function", "name": "spawn_agent", "parameters": {}}
+                            ],
+                        },
+                    ],
+                },
                 {"role": "user", "content": "go"},
-                {"type": "function_call", "call_id": "c1", "namespace": "collaboration",
-                 "name": "spawn_agent", "arguments": "{}"},
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "namespace": "collaboration",
+                    "name": "spawn_agent",
+                    "arguments": "{}",
+                },
                 {"type": "function_call_output", "call_id": "c1", "output": "spawned"},
                 {"type": "custom_tool_call", "call_id": "c2", "name": "exec", "input": "text(1)"},
                 {"type": "custom_tool_call_output", "call_id": "c2", "output": "1"},
             ],
-            "tool_choice": {"type": "function", "namespace": "collaboration", "name": "spawn_agent"},
+            "tool_choice": {
+                "type": "function",
+                "namespace": "collaboration",
+                "name": "spawn_agent",
+            },
             "reasoning": {"effort": "none"},
         },
         {
             "messages": [
                 {"role": "user", "content": "go"},
-                {"role": "assistant", "content": "",
-                 "tool_calls": [call("c1", "collaboration.spawn_agent", "{}")]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [call("c1", "collaboration.spawn_agent", "{}")],
+                },
                 {"role": "tool", "tool_call_id": "c1", "content": "spawned"},
-                {"role": "assistant", "content": "",
-                 "tool_calls": [call("c2", "exec", '{"input":"text(1)"}')]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [call("c2", "exec", '{"input":"text(1)"}')],
+                },
                 {"role": "tool", "tool_call_id": "c2", "content": "1"},
             ],
-            "tools": [fn("exec", CUSTOM_SCHEMA, "Run JS."),
-                      fn("collaboration.spawn_agent", {}, "Sub-agents.")],
+            "tools": [
+                fn("exec", CUSTOM_SCHEMA, "Run JS."),
+                fn("collaboration.spawn_agent", {}, "Sub-agents."),
+            ],
             "tool_choice": {"type": "function", "function": {"name": "collaboration.spawn_agent"}},
             "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "none"},
         },
@@ -274,8 +343,14 @@ RESPONSES_CASES = [
     pytest.param(
         {
             "input": "json please",
-            "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"},
-                                "strict": True}},
+            "text": {
+                "format": {
+                    "type": "json_schema",
+                    "name": "n",
+                    "schema": {"type": "object"},
+                    "strict": True,
+                }
+            },
             "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []},
             "tools": [{"type": "function", "name": "f"}],
         },
@@ -283,8 +358,10 @@ RESPONSES_CASES = [
             "messages": [{"role": "user", "content": "json please"}],
             "tools": [fn("f")],
             "tool_choice": "required",
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "n", "schema": {"type": "object"}, "strict": True}},
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "object"}, "strict": True},
+            },
         },
         id="structured-output-and-allowed-tools",
     ),
@@ -299,19 +376,34 @@ def test_responses_request_golden(body, chat):
 
 
 def test_responses_notes_hosted_tools():
-    req = parse(RESPONSES, {"input": "x", "tools": [{"type": "web_search"}, {"type": "file_search"}]},
-                "/v1/responses")
+    req = parse(
+        RESPONSES,
+        {"input": "x", "tools": [{"type": "web_search"}, {"type": "file_search"}]},
+        "/v1/responses",
+    )
     assert "tools" not in req.chat
-    assert req.notes == ["hosted tool not offered: web_search", "hosted tool not offered: file_search"]
+    assert req.notes == [
+        "hosted tool not offered: web_search",
+        "hosted tool not offered: file_search",
+    ]
 
 
 RESPONSES_REFUSALS = [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
-    ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, "'local_shell_call' is not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input_file"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "file_id"),
+    (
+        {"input": [{"type": "local_shell_call", "call_id": "c"}]},
+        "'local_shell_call' is not supported",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+        "input_file",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+        "file_id",
+    ),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "role"),
     ({"input": 5}, "'input' is required"),
@@ -336,8 +428,9 @@ def test_responses_malformed_body():
         with pytest.raises(DialectError, match=needle):
             RESPONSES.parse(raw, "/v1/responses")
     body = RESPONSES.error_body(400, "bad", "invalid_request_error")
-    assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": None,
-                              "code": None}}
+    assert body == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}
+    }
     long = "This model's maximum context length is 40960 tokens. However, you requested 50000"
     assert RESPONSES.error_body(400, long, "invalid_request_error")["error"]["code"] == (
         "context_length_exceeded"
@@ -351,9 +444,17 @@ def test_codex_recorded_requests():
     turn2 = parse(RESPONSES, golden("codex_turn2.json")["body"], "/v1/responses")
     names = [t["function"]["name"] for t in turn2.chat["tools"]]
     assert names == [
-        "exec", "wait", "request_user_input", "request_user_input_async", "clock.sleep",
-        "collaboration.followup_task", "collaboration.interrupt_agent", "collaboration.list_agents",
-        "collaboration.send_message", "collaboration.spawn_agent", "collaboration.wait_agent",
+        "exec",
+        "wait",
+        "request_user_input",
+        "request_user_input_async",
+        "clock.sleep",
+        "collaboration.followup_task",
+        "collaboration.interrupt_agent",
+        "collaboration.list_agents",
+        "collaboration.send_message",
+        "collaboration.spawn_agent",
+        "collaboration.wait_agent",
     ]
     exec_tool = turn2.chat["tools"][0]["function"]
     assert exec_tool["parameters"] == CUSTOM_SCHEMA
@@ -375,7 +476,10 @@ def test_codex_recorded_requests():
     assert tool["content"] == "Script completed\nWall time 0.1 seconds\nOutput:\n\npolar was here"
     assert tool["tool_call_id"] == exec_call["id"]
     assert turn2.chat["parallel_tool_calls"] is False and turn2.chat["tool_choice"] == "auto"
-    assert turn2.chat["chat_template_kwargs"] == {"enable_thinking": True, "reasoning_effort": "low"}
+    assert turn2.chat["chat_template_kwargs"] == {
+        "enable_thinking": True,
+        "reasoning_effort": "low",
+    }
     assert turn2.extra["seal"] is True and turn2.stream is True
     assert turn2.extra["tools"]["exec"].kind == "custom"
     assert turn2.extra["tools"]["clock.sleep"].namespace == "clock"
@@ -397,7 +501,10 @@ MESSAGES_CASES = [
             "some_future_field": True,
         },
         {
-            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "hi"},
+            ],
             "max_tokens": 100,
             "temperature": 0.2,
             "top_k": 5,
@@ -410,45 +517,98 @@ MESSAGES_CASES = [
             "max_tokens": 10,
             "system": [
                 {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abcde;"},
-                {"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}},
+                {
+                    "type": "text",
+                    "text": "You are a Claude agent.",
+                    "cache_control": {"type": "ephemeral"},
+                },
                 {"type": "text", "text": "Rules."},
             ],
             "messages": [
-                {"role": "user", "content": [
-                    {"type": "text", "text": "<system-reminder>r</system-reminder>"},
-                    {"type": "text", "text": "count", "cache_control": {"type": "ephemeral"}},
-                ]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "<system-reminder>r</system-reminder>"},
+                        {"type": "text", "text": "count", "cache_control": {"type": "ephemeral"}},
+                    ],
+                },
                 {"role": "system", "content": "env: linux", "output_config": {}},
-                {"role": "assistant", "content": [
-                    {"type": "thinking", "thinking": "use Bash", "signature": "sig-from-anthropic"},
-                    {"type": "redacted_thinking", "data": "opaque"},
-                    {"type": "text", "text": "Running."},
-                    {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}},
-                    {"type": "tool_use", "id": "toolu_2", "name": "Read", "input": {}},
-                ]},
-                {"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a\nb",
-                     "is_error": False, "cache_control": {"type": "ephemeral"}},
-                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": [
-                        {"type": "text", "text": "img:"},
-                        {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
-                                                     "data": "QUJD"}},
-                    ]},
-                    {"type": "text", "text": "and?"},
-                ]},
-                {"role": "assistant", "content": [
-                    {"type": "thinking", "thinking": "", "signature": seal("sealed thought")},
-                    {"type": "text", "text": "Two."},
-                ]},
-                {"role": "user", "content": [
-                    {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}},
-                    {"type": "document", "source": {"type": "text", "media_type": "text/plain",
-                                                    "data": "doc text"}},
-                ]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "thinking",
+                            "thinking": "use Bash",
+                            "signature": "sig-from-anthropic",
+                        },
+                        {"type": "redacted_thinking", "data": "opaque"},
+                        {"type": "text", "text": "Running."},
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_1",
+                            "name": "Bash",
+                            "input": {"command": "ls"},
+                        },
+                        {"type": "tool_use", "id": "toolu_2", "name": "Read", "input": {}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": "a\nb",
+                            "is_error": False,
+                            "cache_control": {"type": "ephemeral"},
+                        },
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_2",
+                            "content": [
+                                {"type": "text", "text": "img:"},
+                                {
+                                    "type": "image",
+                                    "source": {
+                                        "type": "base64",
+                                        "media_type": "image/jpeg",
+                                        "data": "QUJD",
+                                    },
+                                },
+                            ],
+                        },
+                        {"type": "text", "text": "and?"},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "", "signature": seal("sealed thought")},
+                        {"type": "text", "text": "Two."},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}},
+                        {
+                            "type": "document",
+                            "source": {
+                                "type": "text",
+                                "media_type": "text/plain",
+                                "data": "doc text",
+                            },
+                        },
+                    ],
+                },
             ],
             "tools": [
-                {"name": "Bash", "description": "Run", "input_schema": SHELL_SCHEMA,
-                 "cache_control": {"type": "ephemeral"}},
+                {
+                    "name": "Bash",
+                    "description": "Run",
+                    "input_schema": SHELL_SCHEMA,
+                    "cache_control": {"type": "ephemeral"},
+                },
                 {"name": "Read", "input_schema": {"type": "object"}, "strict": True},
                 {"name": "Deferred", "input_schema": {"type": "object"}, "defer_loading": True},
             ],
@@ -465,21 +625,30 @@ MESSAGES_CASES = [
                 {
                     "role": "assistant",
                     "content": "Running.",
-                    "tool_calls": [call("toolu_1", "Bash", '{"command":"ls"}'),
-                                   call("toolu_2", "Read", "{}")],
+                    "tool_calls": [
+                        call("toolu_1", "Bash", '{"command":"ls"}'),
+                        call("toolu_2", "Read", "{}"),
+                    ],
                     "reasoning": "use Bash",
                 },
                 {"role": "tool", "tool_call_id": "toolu_1", "content": "a\nb"},
-                {"role": "tool", "tool_call_id": "toolu_2", "content": [
-                    {"type": "text", "text": "img:"},
-                    {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,QUJD"}},
-                ]},
+                {
+                    "role": "tool",
+                    "tool_call_id": "toolu_2",
+                    "content": [
+                        {"type": "text", "text": "img:"},
+                        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,QUJD"}},
+                    ],
+                },
                 {"role": "user", "content": "and?"},
                 {"role": "assistant", "content": "Two.", "reasoning": "sealed thought"},
-                {"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
-                    {"type": "text", "text": "doc text"},
-                ]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                        {"type": "text", "text": "doc text"},
+                    ],
+                },
             ],
             "tools": [fn("Bash", SHELL_SCHEMA, "Run"), fn("Read", {"type": "object"}, strict=True)],
             "tool_choice": "required",
@@ -494,22 +663,44 @@ MESSAGES_CASES = [
             "max_tokens": 5,
             "messages": [
                 {"role": "user", "content": "find a tool"},
-                {"role": "assistant", "content": [
-                    {"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "x"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
-                    {"type": "tool_reference", "tool_name": "Deferred"}]}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "tool_use",
+                            "id": "t1",
+                            "name": "ToolSearch",
+                            "input": {"query": "x"},
+                        }
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [{"type": "tool_reference", "tool_name": "Deferred"}],
+                        }
+                    ],
+                },
                 {"role": "assistant", "content": []},
             ],
-            "tools": [{"name": "ToolSearch", "input_schema": {"type": "object"}},
-                      {"name": "Deferred", "input_schema": {"type": "object"}, "defer_loading": True}],
+            "tools": [
+                {"name": "ToolSearch", "input_schema": {"type": "object"}},
+                {"name": "Deferred", "input_schema": {"type": "object"}, "defer_loading": True},
+            ],
             "tool_choice": {"type": "tool", "name": "Deferred"},
             "thinking": {"type": "disabled"},
         },
         {
             "messages": [
                 {"role": "user", "content": "find a tool"},
-                {"role": "assistant", "content": "",
-                 "tool_calls": [call("t1", "ToolSearch", '{"query":"x"}')]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [call("t1", "ToolSearch", '{"query":"x"}')],
+                },
                 {"role": "tool", "tool_call_id": "t1", "content": "Deferred"},
                 {"role": "assistant", "content": ""},
             ],
@@ -519,6 +710,34 @@ MESSAGES_CASES = [
             "chat_template_kwargs": {"enable_thinking": False},
         },
         id="tool-search-loads-deferred-tool",
+    ),
+    pytest.param(
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "tool_use", "id": "t1", "name": "f", "input": {"k": [1, "é"]}},
+                        {"type": "text", "text": "b"},
+                    ],
+                },
+                {"role": "assistant", "content": "second turn"},
+            ],
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": "a\nb",
+                    "tool_calls": [call("t1", "f", '{"k":[1,"é"]}')],
+                },
+                {"role": "assistant", "content": "second turn"},
+            ],
+        },
+        id="texts-of-one-turn-joined-turns-kept-apart",
     ),
 ]
 
@@ -545,16 +764,49 @@ MESSAGES_REFUSALS = [
     ({"messages": "hi"}, "'messages'"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "search_result"}]}]}, "'search_result'"),
-    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "base64",
-                                                   "media_type": "application/pdf", "data": "x"}}]}]},
-     "plain-text documents"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]},
-     "base64 or url"),
-    ({"messages": [{"role": "assistant", "content": [{"type": "server_tool_use"}]}]},
-     "'server_tool_use'"),
-    ({"messages": [{"role": "user", "content": "x"}],
-      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
-    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "sometimes"}}, "thinking"),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "document",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "application/pdf",
+                                "data": "x",
+                            },
+                        }
+                    ],
+                }
+            ]
+        },
+        "plain-text documents",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}
+            ]
+        },
+        "base64 or url",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": [{"type": "server_tool_use"}]}]},
+        "'server_tool_use'",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+        },
+        "server tool",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "sometimes"}},
+        "thinking",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"messages": [{"role": "user", "content": "x"}], "system": 5}, "'system'"),
@@ -570,8 +822,12 @@ def test_messages_refusals_name_the_problem(body, needle):
 
 def test_messages_error_shape():
     assert MESSAGES.error_body(400, "bad", "invalid_request_error") == {
-        "type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
-    assert MESSAGES.error_body(429, "slow", "rate_limit_error")["error"]["type"] == "rate_limit_error"
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "bad"},
+    }
+    assert (
+        MESSAGES.error_body(429, "slow", "rate_limit_error")["error"]["type"] == "rate_limit_error"
+    )
     assert MESSAGES.error_body(502, "down", "server_error")["error"]["type"] == "api_error"
     assert MESSAGES.error_body(404, "no", "x")["error"]["type"] == "not_found_error"
 
@@ -592,13 +848,22 @@ def test_claude_code_recorded_requests():
     assert roles == ["system", "user", "system", "assistant", "tool"]
     assert r2.chat["messages"][:3] == r1.chat["messages"]
     [bash] = r2.chat["messages"][3]["tool_calls"]
-    assert bash["function"]["name"] == "Bash" and "command" in json.loads(bash["function"]["arguments"])
-    assert r2.chat["messages"][4] == {"role": "tool", "tool_call_id": bash["id"], "content": "polar was here"}
+    assert bash["function"]["name"] == "Bash" and "command" in json.loads(
+        bash["function"]["arguments"]
+    )
+    assert r2.chat["messages"][4] == {
+        "role": "tool",
+        "tool_call_id": bash["id"],
+        "content": "polar was here",
+    }
     names = [t["function"]["name"] for t in r2.chat["tools"]]
     assert "Bash" in names and "DeferredToolPlaceholder" not in names and len(names) == 11
     assert r2.chat["tools"][names.index("Bash")]["function"]["parameters"]["$schema"]
     assert r2.chat["max_tokens"] == 128000
-    assert r2.chat["chat_template_kwargs"] == {"enable_thinking": True, "reasoning_effort": "medium"}
+    assert r2.chat["chat_template_kwargs"] == {
+        "enable_thinking": True,
+        "reasoning_effort": "medium",
+    }
     assert r2.purpose == "main" and r2.stream is True and r2.extra["show_thinking"] is False
 
 
@@ -620,8 +885,11 @@ def test_messages_purpose(system, tools, purpose):
 
 
 def test_count_tokens_is_local():
-    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"name": "Bash", "input_schema": SHELL_SCHEMA}]}
+    body = {
+        "model": "claude",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "Bash", "input_schema": SHELL_SCHEMA}],
+    }
     req = parse(MESSAGES, body, "/v1/messages/count_tokens")
     assert req.local and req.purpose == "count_tokens" and not req.stream
 
@@ -638,16 +906,33 @@ def test_count_tokens_is_local():
 
 def chunk(delta: dict | None = None, finish: str | None = None, **extra: Any) -> dict:
     choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish, **extra}
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "Qwen",
-            "choices": [choice]}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "Qwen",
+        "choices": [choice],
+    }
 
 
-USAGE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "Qwen",
-         "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
-                                  "prompt_tokens_details": {"cached_tokens": 4}}}
+USAGE = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion.chunk",
+    "created": 1,
+    "model": "Qwen",
+    "choices": [],
+    "usage": {
+        "prompt_tokens": 11,
+        "completion_tokens": 7,
+        "total_tokens": 18,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    },
+}
 
 
-def tool_delta(index: int, *, id: str | None = None, name: str | None = None, args: str = "") -> dict:
+def tool_delta(
+    index: int, *, id: str | None = None, name: str | None = None, args: str = ""
+) -> dict:
     tc: dict[str, Any] = {"index": index, "function": {"arguments": args}}
     if id:
         tc.update(id=id, type="function")
@@ -684,9 +969,17 @@ def codex_like_request(stream: bool = True):
         "stream": stream,
         "include": ["reasoning.encrypted_content"],
         "input": [
-            {"type": "additional_tools", "role": "developer", "tools": [
-                {"type": "namespace", "name": "functions", "tools": [
-                    {"type": "custom", "name": "exec", "description": "JS"}]}]},
+            {
+                "type": "additional_tools",
+                "role": "developer",
+                "tools": [
+                    {
+                        "type": "namespace",
+                        "name": "functions",
+                        "tools": [{"type": "custom", "name": "exec", "description": "JS"}],
+                    }
+                ],
+            },
             {"role": "user", "content": "hi"},
         ],
         "tools": [{"type": "function", "name": "run_shell", "parameters": SHELL_SCHEMA}],
@@ -703,8 +996,9 @@ def openai_oracle(data: bytes):
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=data)
 
-    client = openai.OpenAI(api_key="x", max_retries=0,
-                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    client = openai.OpenAI(
+        api_key="x", max_retries=0, http_client=httpx.Client(transport=httpx.MockTransport(handler))
+    )
     return client.responses.stream(model="m", input="x")
 
 
@@ -713,9 +1007,13 @@ def anthropic_oracle(data: bytes):
         return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=data)
 
     client = anthropic.Anthropic(
-        api_key="x", max_retries=0,
-        http_client=anthropic.DefaultHttpxClient(transport=httpx2.MockTransport(handler)))
-    return client.messages.stream(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        api_key="x",
+        max_retries=0,
+        http_client=anthropic.DefaultHttpxClient(transport=httpx2.MockTransport(handler)),
+    )
+    return client.messages.stream(
+        model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]
+    )
 
 
 def test_responses_stream_accepted_by_the_sdk():
@@ -727,14 +1025,24 @@ def test_responses_stream_accepted_by_the_sdk():
         events = [e for e in stream]
         final = stream.get_final_response()
     types = [e.type for e in events]
-    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert (
+        types[:2] == ["response.created", "response.in_progress"]
+        and types[-1] == "response.completed"
+    )
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert "response.reasoning_text.delta" in types and "response.custom_tool_call_input.delta" in types
+    assert (
+        "response.reasoning_text.delta" in types
+        and "response.custom_tool_call_input.delta" in types
+    )
     reasoning, message, fcall, ccall = final.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "Let me think."
     assert unseal(reasoning.encrypted_content) == "Let me think."
     assert message.type == "message" and message.content[0].text == "\n\nHi there"
-    assert (fcall.type, fcall.name, fcall.call_id) == ("function_call", "run_shell", "chatcmpl-tool-a")
+    assert (fcall.type, fcall.name, fcall.call_id) == (
+        "function_call",
+        "run_shell",
+        "chatcmpl-tool-a",
+    )
     assert json.loads(fcall.arguments) == {"cmd": "ls -la"}
     assert (ccall.type, ccall.name, ccall.input) == ("custom_tool_call", "exec", EXEC_JS)
     assert ccall.namespace is None  # Codex's default namespace: bare names, as it sends them back
@@ -742,21 +1050,45 @@ def test_responses_stream_accepted_by_the_sdk():
     assert streamed == EXEC_JS
     u = final.usage
     assert (u.input_tokens, u.output_tokens, u.total_tokens) == (11, 7, 18)
-    assert u.input_tokens_details.cached_tokens == 4 and u.output_tokens_details.reasoning_tokens == 0
+    assert (
+        u.input_tokens_details.cached_tokens == 4 and u.output_tokens_details.reasoning_tokens == 0
+    )
     assert final.status == "completed" and final.id == events[0].response.id
     # the same reply, non-streaming and synthesized from a whole completion, is the same object
-    whole = {"id": "c", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-        "role": "assistant", "content": "\n\nHi there", "reasoning": "Let me think.",
-        "tool_calls": [call("chatcmpl-tool-a", "run_shell", '{"cmd": "ls -la"}'),
-                       call("chatcmpl-tool-b", "exec", json.dumps({"input": EXEC_JS}))]}}],
-        "usage": USAGE["usage"]}
+    whole = {
+        "id": "c",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "content": "\n\nHi there",
+                    "reasoning": "Let me think.",
+                    "tool_calls": [
+                        call("chatcmpl-tool-a", "run_shell", '{"cmd": "ls -la"}'),
+                        call("chatcmpl-tool-b", "exec", json.dumps({"input": EXEC_JS})),
+                    ],
+                },
+            }
+        ],
+        "usage": USAGE["usage"],
+    }
     reply = RESPONSES.reply(codex_like_request(stream=False), json.loads(json.dumps(whole)))
     synthesized = RESPONSES.stream(req)
     sse_bytes(synthesized, reply_to_chunks(whole))
     for obj in (reply, synthesized.final()):
-        got = [(i["type"], i.get("name"), i.get("arguments") or i.get("input")) for i in obj["output"]]
-        want = [(i.type, getattr(i, "name", None), getattr(i, "arguments", None) or getattr(i, "input", None))
-                for i in final.output]
+        got = [
+            (i["type"], i.get("name"), i.get("arguments") or i.get("input")) for i in obj["output"]
+        ]
+        want = [
+            (
+                i.type,
+                getattr(i, "name", None),
+                getattr(i, "arguments", None) or getattr(i, "input", None),
+            )
+            for i in final.output
+        ]
         assert got == want
         assert obj["usage"] == final.usage.model_dump(exclude_none=True)
 
@@ -787,22 +1119,51 @@ def test_responses_length_and_failure():
 def test_whitespace_only_text_is_not_a_message():
     req = codex_like_request()
     t = RESPONSES.stream(req)
-    sse_bytes(t, [chunk({"reasoning": "r"}), chunk({"content": "\n\n"}),
-                  tool_delta(0, id="x", name="run_shell", args="{}"), chunk({}, "tool_calls")])
+    sse_bytes(
+        t,
+        [
+            chunk({"reasoning": "r"}),
+            chunk({"content": "\n\n"}),
+            tool_delta(0, id="x", name="run_shell", args="{}"),
+            chunk({}, "tool_calls"),
+        ],
+    )
     assert [i["type"] for i in t.final()["output"]] == ["reasoning", "function_call"]
-    t = MESSAGES.stream(parse(MESSAGES, {"messages": [{"role": "user", "content": "x"}]}, "/v1/messages"))
-    sse_bytes(t, [chunk({"content": " "}), chunk({"content": "\n"}), chunk({"content": "ok"}),
-                  chunk({}, "stop")])
+    t = MESSAGES.stream(
+        parse(MESSAGES, {"messages": [{"role": "user", "content": "x"}]}, "/v1/messages")
+    )
+    sse_bytes(
+        t,
+        [
+            chunk({"content": " "}),
+            chunk({"content": "\n"}),
+            chunk({"content": "ok"}),
+            chunk({}, "stop"),
+        ],
+    )
     assert t.final()["content"] == [{"type": "text", "text": " \nok"}]
 
 
 def test_responses_logprobs_when_asked():
-    req = parse(RESPONSES, {"input": "x", "include": ["message.output_text.logprobs"],
-                            "top_logprobs": 1}, "/v1/responses")
+    req = parse(
+        RESPONSES,
+        {"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 1},
+        "/v1/responses",
+    )
     assert req.wants_logprobs and req.top_logprobs == 1
-    lp = {"content": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
-                       "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}]}]}
-    data = sse_bytes(RESPONSES.stream(req), [chunk({"content": "Hi"}, logprobs=lp), chunk({}, "stop")])
+    lp = {
+        "content": [
+            {
+                "token": "Hi",
+                "logprob": -0.5,
+                "bytes": [72, 105],
+                "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}],
+            }
+        ]
+    }
+    data = sse_bytes(
+        RESPONSES.stream(req), [chunk({"content": "Hi"}, logprobs=lp), chunk({}, "stop")]
+    )
     with openai_oracle(data) as stream:
         final = stream.get_final_response()
     [entry] = final.output[0].content[0].logprobs
@@ -810,8 +1171,13 @@ def test_responses_logprobs_when_asked():
 
 
 def messages_request(**extra: Any):
-    body = {"model": "claude-x", "max_tokens": 50, "stream": True,
-            "messages": [{"role": "user", "content": "hi"}], **extra}
+    body = {
+        "model": "claude-x",
+        "max_tokens": 50,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        **extra,
+    }
     return parse(MESSAGES, body, "/v1/messages")
 
 
@@ -828,24 +1194,44 @@ def test_messages_stream_accepted_by_the_sdk():
     assert thinking.type == "thinking" and thinking.thinking == "Let me think."
     assert unseal(thinking.signature) == "Let me think."
     assert text.text == "\n\nHi there"
-    assert (bash.type, bash.name, bash.id, bash.input) == ("tool_use", "run_shell", "chatcmpl-tool-a",
-                                                            {"cmd": "ls -la"})
+    assert (bash.type, bash.name, bash.id, bash.input) == (
+        "tool_use",
+        "run_shell",
+        "chatcmpl-tool-a",
+        {"cmd": "ls -la"},
+    )
     assert exec_call.input == {"input": EXEC_JS}
     assert final.stop_reason == "tool_use" and final.stop_sequence is None
     u = final.usage
     assert (u.input_tokens, u.cache_read_input_tokens, u.output_tokens) == (7, 4, 7)
     # non-streaming: the same message
-    whole = {"id": "c", "choices": [{"index": 0, "finish_reason": "stop", "stop_reason": "END",
-                                     "message": {"role": "assistant", "content": "done"}}],
-             "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    whole = {
+        "id": "c",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "stop_reason": "END",
+                "message": {"role": "assistant", "content": "done"},
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    }
     reply = MESSAGES.reply(req, whole)
     assert reply["content"] == [{"type": "text", "text": "done"}]
     assert (reply["stop_reason"], reply["stop_sequence"]) == ("stop_sequence", "END")
     assert anthropic.types.Message.model_validate(reply).usage.output_tokens == 2
 
 
-@pytest.mark.parametrize(("finish", "reason"), [("stop", "end_turn"), ("length", "max_tokens"),
-                                                ("tool_calls", "tool_use"), ("content_filter", "refusal")])
+@pytest.mark.parametrize(
+    ("finish", "reason"),
+    [
+        ("stop", "end_turn"),
+        ("length", "max_tokens"),
+        ("tool_calls", "tool_use"),
+        ("content_filter", "refusal"),
+    ],
+)
 def test_messages_stop_reasons(finish, reason):
     t = MESSAGES.stream(messages_request())
     data = sse_bytes(t, [chunk({"content": "x"}), chunk({}, finish)])
@@ -856,20 +1242,34 @@ def test_messages_stop_reasons(finish, reason):
 def test_messages_thinking_omitted_and_failure():
     req = messages_request(thinking={"type": "adaptive", "display": "omitted"})
     t = MESSAGES.stream(req)
-    data = sse_bytes(t, [chunk({"reasoning": "secret plan"}), chunk({"content": "ok"}), chunk({}, "stop")])
+    data = sse_bytes(
+        t, [chunk({"reasoning": "secret plan"}), chunk({"content": "ok"}), chunk({}, "stop")]
+    )
     with anthropic_oracle(data) as stream:
         final = stream.get_final_message()
     assert final.content[0].thinking == "" and unseal(final.content[0].signature) == "secret plan"
     assert b"secret plan" not in data  # only inside the sealed signature
     # the block comes back next turn without text: the reasoning still reaches the template
-    history = {"max_tokens": 5, "messages": [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in final.content]},
-        {"role": "user", "content": "more"}]}
-    assert parse(MESSAGES, history, "/v1/messages").chat["messages"][1]["reasoning"] == "secret plan"
+    history = {
+        "max_tokens": 5,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [c.model_dump(exclude_none=True) for c in final.content],
+            },
+            {"role": "user", "content": "more"},
+        ],
+    }
+    assert (
+        parse(MESSAGES, history, "/v1/messages").chat["messages"][1]["reasoning"] == "secret plan"
+    )
     t = MESSAGES.stream(req)
     data = sse_bytes(t, [chunk({"content": "half"})], end="fail")
-    with anthropic_oracle(data) as stream, pytest.raises(anthropic.APIStatusError, match="upstream died"):
+    with (
+        anthropic_oracle(data) as stream,
+        pytest.raises(anthropic.APIStatusError, match="upstream died"),
+    ):
         for _ in stream:
             pass
 
@@ -887,8 +1287,12 @@ def test_streaming_emits_each_chunk_at_once():
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(), cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=10),
-       ascii_only=st.booleans(), spaced=st.booleans())
+@given(
+    text=st.text(),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=10),
+    ascii_only=st.booleans(),
+    spaced=st.booleans(),
+)
 def test_input_decoder_any_cuts(text, cuts, ascii_only, spaced):
     args = json.dumps({"input": text}, ensure_ascii=ascii_only)
     if spaced:
