@@ -1116,7 +1116,9 @@ def test_responses_length_and_failure():
         assert [e.type for e in stream][-1] == "response.failed"
 
 
-def test_whitespace_only_text_is_not_a_message():
+def test_whitespace_before_a_tool_call_is_the_templates():
+    """vLLM's parser returns the separator before <tool_call> as content; the harness must not
+    get it (sent back, Qwen3 would render it twice), while trailing text at the end stays."""
     req = codex_like_request()
     t = RESPONSES.stream(req)
     sse_bytes(
@@ -1129,19 +1131,33 @@ def test_whitespace_only_text_is_not_a_message():
         ],
     )
     assert [i["type"] for i in t.final()["output"]] == ["reasoning", "function_call"]
-    t = MESSAGES.stream(
-        parse(MESSAGES, {"messages": [{"role": "user", "content": "x"}]}, "/v1/messages")
-    )
+    t = RESPONSES.stream(req)
     sse_bytes(
+        t,
+        [
+            chunk({"content": "\n\nCounting"}),
+            chunk({"content": " now.\n"}),
+            tool_delta(0, id="x", name="run_shell", args="{}"),
+            chunk({}, "tool_calls"),
+        ],
+    )
+    assert t.final()["output"][0]["content"][0]["text"] == "\n\nCounting now."
+    msg = parse(MESSAGES, {"messages": [{"role": "user", "content": "x"}]}, "/v1/messages")
+    t = MESSAGES.stream(msg)
+    data = sse_bytes(
         t,
         [
             chunk({"content": " "}),
             chunk({"content": "\n"}),
-            chunk({"content": "ok"}),
+            chunk({"content": "ok \n"}),
+            chunk({"content": "then"}),
+            chunk({"content": "\n"}),
             chunk({}, "stop"),
         ],
     )
-    assert t.final()["content"] == [{"type": "text", "text": " \nok"}]
+    assert t.final()["content"] == [{"type": "text", "text": " \nok \nthen\n"}]
+    with anthropic_oracle(data) as stream:
+        assert stream.get_final_message().content[0].text == " \nok \nthen\n"
 
 
 def test_responses_logprobs_when_asked():
@@ -1311,3 +1327,87 @@ def test_custom_input_other_shapes():
     assert custom_input('{"a": 1, "b": 2}') == '{"a": 1, "b": 2}'
     decoder = _InputDecoder()
     assert decoder.feed('{"code": "x"}') == ""  # not the one-argument form: left to the end
+
+
+# -- the output-cap clamp and local token counts --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("message", "cap_refused"),
+    [
+        # the reference server (vLLM's wording of the 400)
+        (
+            "'max_tokens' or 'max_completion_tokens' is too large: 128000. This model's maximum "
+            "context length is 131072 tokens and your request has 11435 input tokens "
+            "(128000 > 131072 - 11435). (parameter=max_tokens, value=128000)",
+            True,
+        ),
+        # vLLM 0.20 (issue vllm-project/vllm#42474) and older vLLM
+        (
+            "This model's maximum context length is 128000 tokens. However, you requested 65535 "
+            "output tokens and your prompt contains at least 62466 input tokens, for a total of at "
+            "least 128001 tokens.",
+            True,
+        ),
+        (
+            "This model's maximum context length is 16384 tokens. However, you requested 122946 "
+            "tokens (112946 in the messages, 10000 in the completion).",
+            True,
+        ),
+        # SGLang
+        (
+            "Requested token count exceeds the model's maximum context length of 4096 tokens. You "
+            "requested a total of 5000 tokens: 1000 tokens from the input messages and 4000 tokens "
+            "for the completion.",
+            True,
+        ),
+        # a prompt that is too long by itself: no retry helps
+        (
+            "This model's maximum context length is 40960 tokens. However, your request has 50000 "
+            "input tokens. Please reduce the length of the input messages. "
+            "(parameter=input_tokens, value=50000)",
+            False,
+        ),
+        ("messages[1].content must be a string", False),
+    ],
+)
+def test_output_cap_refusal_is_recognized(message, cap_refused):
+    from polar_mitm.exchange import _CAP_TOO_LARGE
+
+    assert bool(_CAP_TOO_LARGE.search(message)) is cap_refused
+
+
+def test_prompt_counter():
+    from transformers import AutoTokenizer
+
+    from polar_mitm.assets import qwen3_tokenizer_dir
+    from polar_mitm.fidelity import load_tokenizer
+    from polar_mitm.tokencount import PromptCounter
+
+    chat = parse(MESSAGES, MESSAGES_CASES[1].values[0], "/v1/messages/count_tokens").chat
+    tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+    exact = PromptCounter(load_tokenizer(str(qwen3_tokenizer_dir()))).prompt_tokens(chat)
+    messages = []
+    for m in chat["messages"]:  # vLLM's view, images left out (a text-only template)
+        m = dict(m)
+        if isinstance(m["content"], list):
+            m["content"] = "\n".join(p["text"] for p in m["content"] if p["type"] == "text")
+        for c in m.get("tool_calls") or ():
+            c["function"] = {**c["function"], "arguments": json.loads(c["function"]["arguments"])}
+        messages.append(m)
+    # vLLM dumps each tool with every field, a missing description as null
+    tools = [
+        {"type": "function", "function": {"description": None, **t["function"]}}
+        for t in chat["tools"]
+    ]
+    want = tok.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        enable_thinking=True,
+        reasoning_effort="medium",
+    )
+    assert exact == len(want["input_ids"])
+    estimate = PromptCounter(None).prompt_tokens(chat)
+    assert estimate > 0 and abs(estimate - exact) < exact  # the right order of magnitude

@@ -101,6 +101,14 @@ def check_rows(rows, conversations, server, kind, qwen3, rollout, dialect, tools
         assert row["trainable"] is True
 
 
+def check_prefix_merges(rows) -> None:
+    """Each call's prompt starts with the previous call's prompt + output, token for token: the
+    history the harness sent back re-renders exactly what the policy generated."""
+    for before, after in zip(rows, rows[1:], strict=False):
+        sampled = before["prompt_token_ids"] + before["output_token_ids"]
+        assert after["prompt_token_ids"][: len(sampled)] == sampled
+
+
 def check_reasoning_rendered(qwen3, row, reasoning: str) -> None:
     """The next prompt re-renders the earlier thinking as Qwen3's template does."""
     prompt = qwen3.decode(row["prompt_token_ids"])
@@ -206,6 +214,7 @@ def test_responses_three_turn_tool_conversation(
         [RUN_SHELL],
     )
     check_reasoning_rendered(qwen3, rows[1], r0.content[0].text)
+    check_prefix_merges(rows)
     for final, row in zip(finals, rows, strict=True):
         assert (
             final.usage.input_tokens == row["usage_prompt_tokens"] == len(row["prompt_token_ids"])
@@ -298,6 +307,7 @@ def test_codex_conversation_with_custom_exec(make_policy_server, make_mitm, qwen
         assert row["prompt_token_ids"] == expected_prompt_ids(qwen3, upstream_kind, messages, tools)
         assert row["trainable"] is True
     check_reasoning_rendered(qwen3, rows[1], done[0]["content"][0]["text"])
+    check_prefix_merges(rows)
     assert "exec" in qwen3.decode(rows[0]["prompt_token_ids"])
 
 
@@ -426,6 +436,7 @@ def test_messages_three_turn_tool_conversation(
         [RUN_SHELL],
     )
     check_reasoning_rendered(qwen3, rows[1], t0.thinking)
+    check_prefix_merges(rows)
     for final, row in zip(finals, rows, strict=True):
         prompt = final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
         assert prompt == row["usage_prompt_tokens"] == len(row["prompt_token_ids"])

@@ -3,27 +3,34 @@
 vLLM's own `/v1/messages` returns no token ids, so a Messages request becomes a chat-completions
 request upstream and the chat stream becomes Anthropic events again, as they arrive.
 
-Request (`parse`):
-* `system` (a string or text blocks) is the first system message; `cache_control` anywhere is
-  dropped (a caching hint for Anthropic's servers, nothing the policy reads);
+Request (`parse`), shaped by what Claude Code 2.1 really sends (docs/dialects.md):
+* `system` (a string or text blocks) is the first system message, minus Claude Code's
+  `x-anthropic-billing-header:` block (it changes on every call, so rendered it would break every
+  prompt's prefix); a `role: "system"` message inside `messages` (Claude Code sends one) stays a
+  system message where it is; `cache_control` anywhere is dropped;
 * an assistant message is one model turn: `thinking` blocks become the chat message's
   `reasoning` (so the template re-renders the thinking), `text` its content, `tool_use` its
-  tool calls; `redacted_thinking` (Anthropic's own ciphertext) cannot be rendered and is skipped;
+  tool calls; `redacted_thinking` (Anthropic's ciphertext) cannot be rendered and is skipped;
 * in a user message, `tool_result` blocks become tool messages, in place; text, images (base64
   or URL) and plain-text documents stay the user's content; other block types are refused with
   a 400 that names them;
-* tools are function tools (`input_schema` is the parameters); Anthropic's server tools (web
-  search, code execution, ...) cannot run behind this proxy and are refused;
-* `thinking` (`enabled` / `adaptive` / `disabled`) becomes `chat_template_kwargs.enable_thinking`.
+* tools are function tools (`input_schema` is the parameters); a `defer_loading` tool is offered
+  only once a `tool_reference` in a tool result has loaded it, as Anthropic does; server tools
+  (web search, code execution, ...) cannot run behind this proxy and are refused;
+* `thinking` (`enabled` / `adaptive` / `disabled`) and `output_config.effort` become
+  `chat_template_kwargs` (`enable_thinking`, `reasoning_effort`).
+What was left out is listed in `HarnessRequest.notes` (the record's `translation_notes`).
 
 `count_tokens` is answered locally with the policy tokenizer (`local_reply`). Each request gets a
-`purpose`: `count_tokens`, or for Claude Code's tool-less side calls on its small model (titles,
-summaries, topic checks) `side` / `title` / `summary`, so they stay out of the main chain.
+`purpose`: `count_tokens`; for a tool-less Claude Code call (its side calls on the small model
+carry no tools; its main loop and sub-agents always do) `title`, `summary` or `side`; else `main`.
 
-Reply: `message_start` (with the prompt's token count), then one content block per reasoning /
-text / tool call (`thinking_delta` + a `signature_delta`, `text_delta`, `input_json_delta`),
-`message_delta` with the stop reason and usage, `message_stop`; an upstream failure mid-stream
-ends the stream with an `error` event, which the SDKs raise.
+Reply: `message_start` (with the prompt's token count), `ping`, one content block per reasoning /
+text / tool call (`thinking_delta`, `text_delta`, `input_json_delta`), `message_delta` with the
+stop reason and usage, `message_stop`. A thinking block's `signature` is the thinking sealed
+(`convert.seal`), so with `thinking.display: "omitted"` (Claude Code's setting) the text is not
+streamed yet still comes back next turn. An upstream failure mid-stream ends the stream with an
+`error` event, which the SDKs raise.
 """
 
 from __future__ import annotations

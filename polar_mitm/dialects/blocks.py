@@ -9,9 +9,12 @@ same code serves a live upstream stream and a stream synthesized from a whole re
 (`assemble.reply_to_chunks`), and the non-streaming reply is the same translator fed that way.
 
 Per chunk the work is a few dict lookups and the dialect's own event encoding; nothing is held
-back except a text block that is only whitespace so far (the separator a tool-call parser leaves
-before a call): it is sent as soon as real text follows, and dropped if a tool call or the end
-comes first, so harnesses never show an empty message.
+back but whitespace at the end of the text so far. vLLM's tool-call parser hands back the
+separator before a `<tool_call>` as content ("...now.\n"); sent back next turn it would be
+rendered twice (the template writes its own), and the prompt would no longer extend the tokens
+the policy sampled. So trailing whitespace waits: it is sent with the next text, or as the
+block's last text when the reply ends, and dropped when a tool call follows — which also means a
+text block of whitespace alone never appears (harnesses show no empty message).
 """
 
 from __future__ import annotations
@@ -32,8 +35,7 @@ class BlockStream(StreamTranslator):
         self.tool: ToolCallParts | None = None  # the open tool call
         self.tools: dict[int, ToolCallParts] = {}
         self.calls: list[ToolCallParts] = []  # in the order they were opened
-        self._pending_ws: list[str] = []  # whitespace-only text not sent yet
-        self._pending_lp: list[dict[str, Any]] = []  # its logprob entries
+        self._held = ""  # trailing whitespace of the text so far, not sent yet
         self.finish_reason: str | None = None
         self.stop_match: Any = None  # vLLM's `stop_reason`: the stop string or token that ended it
         self.usage: dict[str, Any] | None = None
@@ -74,7 +76,7 @@ class BlockStream(StreamTranslator):
         if not self.started:
             self.started = True
             self.on_start({})
-        self._close()
+        self._close(flush=True)
         self.ended = True
         self.on_end()
         return self._flush()
@@ -98,32 +100,26 @@ class BlockStream(StreamTranslator):
 
     def _reasoning(self, text: str) -> None:
         if self.block != "reasoning":
-            self._close()
+            self._close(flush=True)
             self.block = "reasoning"
             self.on_open_reasoning()
         self.on_reasoning(text)
 
     def _text(self, text: str, logprobs: Any) -> None:
-        if self.block == "text":
-            self.on_text(text, logprobs)
+        body = text.rstrip()
+        if not body:  # whitespace: held until real text follows (see the module docstring)
+            if self.block not in (None, "text"):
+                self._close(flush=True)
+            self._held += text
             return
-        if not text.strip():  # a text block starts only once it has more than whitespace
-            if self.block is not None:
-                self._close()
-            self._pending_ws.append(text)
-            if logprobs and logprobs.get("content"):
-                self._pending_lp.extend(logprobs["content"])
-            return
-        if self._pending_ws:
-            text = "".join(self._pending_ws) + text
-            if self._pending_lp:
-                logprobs = {
-                    "content": self._pending_lp + list((logprobs or {}).get("content") or ())
-                }
-        self._close()
-        self.block = "text"
-        self.on_open_text()
-        self.on_text(text, logprobs)
+        if self._held:
+            body, self._held = self._held + body, ""
+        if self.block != "text":
+            self._close(flush=True)
+            self.block = "text"
+            self.on_open_text()
+        self.on_text(body, logprobs)
+        self._held = text[len(text.rstrip()) :]
 
     def _tool(self, call: dict[str, Any]) -> None:
         index = call.get("index", len(self.tools))
@@ -133,7 +129,7 @@ class BlockStream(StreamTranslator):
             parts = self.tools[index] = ToolCallParts(index)
             parts.id = call.get("id")
             parts.name = function.get("name") or ""
-            self._close()
+            self._close(flush=False)
             self.block = "tool"
             self.tool = parts
             self.calls.append(parts)
@@ -148,11 +144,14 @@ class BlockStream(StreamTranslator):
             # else: a delta for a call already closed (no server interleaves calls); the final
             # objects still carry the whole arguments
 
-    def _close(self) -> None:
-        if self._pending_ws:
-            self._pending_ws = []
-            self._pending_lp = []
+    def _close(self, flush: bool) -> None:
+        """End the open block. Whitespace held at the end of a text block is its last text
+        (`flush`), except before a tool call: there it is the separator the chat template
+        writes itself, and sent back as content it would be rendered twice."""
+        held, self._held = self._held, ""
         block, self.block = self.block, None
+        if block == "text" and held and flush:
+            self.on_text(held, None)
         if block == "reasoning":
             self.on_close_reasoning()
         elif block == "text":
