@@ -538,7 +538,9 @@ class CaptureAddon:
             return
         except Exception as e:  # a tokenizer failure must still answer and leave a record
             log.exception("polar-mitm: local answer for call %s failed", record.call_id)
-            self._refuse(flow, dialect, record, DialectError(f"polar-mitm: {e}", 500, "server_error"))
+            self._refuse(
+                flow, dialect, record, DialectError(f"polar-mitm: {e}", 500, "server_error")
+            )
             return
         body = json.dumps(reply).encode()
         flow.response = http.Response.make(200, body, {"content-type": "application/json"})

@@ -44,7 +44,9 @@ def load_tokenizer(spec: str) -> PolicyTokenizer:
         return PolicyTokenizer(spec, "tiktoken", _load_tiktoken(spec[len("tiktoken:") :]))
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise TokenizerError(f"{spec!r} is not a directory (want a Hugging Face tokenizer dir or tiktoken:NAME)")
+        raise TokenizerError(
+            f"{spec!r} is not a directory (want a Hugging Face tokenizer dir or tiktoken:NAME)"
+        )
     try:
         from transformers import AutoTokenizer
 
