@@ -37,7 +37,7 @@ from .capture import (
 )
 from .certs import DEFAULT_CONFDIR
 from .control import DEFAULT_HOST, ControlAPI, ControlServer, ControlState, encode, parse_listen
-from .dialects import Dialect, DialectError, detect
+from .dialects import Dialect, DialectError, HarnessRequest, detect
 from .exchange import Call, UpstreamSettings
 from .fidelity import PolicyTokenizer, TokenizerError, load_tokenizer
 from .gateway import Gateway
@@ -45,6 +45,7 @@ from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, reso
 from .retokenize import Retokenizer
 from .rollouts import Rollouts
 from .store import Store
+from .tokencount import PromptCounter
 from .trajectory import ALLOW_CHOICES
 from .upstream import UPSTREAMS, Upstream, kind_from_models
 
@@ -283,6 +284,7 @@ class CaptureAddon:
         sinks: Sequence[CallSink],
         retokenize: RetokenizeAddon | None = None,
         control: ControlState | None = None,
+        tokenizer: TokenizerAddon | None = None,
     ) -> None:
         self.identity = identity
         self.sinks = list(sinks)
@@ -290,6 +292,7 @@ class CaptureAddon:
         self.connect_timeout = 10.0
         self.retokenize = retokenize
         self.control = control
+        self.tokenizer = tokenizer  # for requests answered locally (count_tokens)
         self.gateway = Gateway()
         self.upstream: Upstream | None = None
         self.auto_base: str | None = None  # polar_upstream_kind=auto: the URL still to probe
@@ -522,6 +525,10 @@ class CaptureAddon:
         record.model_requested = req.model
         purpose = headers.get(PURPOSE_HEADER, "").strip().lower()
         record.purpose = purpose if _PURPOSE.match(purpose) else req.purpose
+        record.translation_notes = list(req.notes)
+        if req.local:
+            await self._answer_locally(flow, dialect, req, record)
+            return
         settings = UpstreamSettings(
             self.upstream,
             await self._served_model(),
@@ -557,6 +564,34 @@ class CaptureAddon:
         record.http_status = e.status
         record.finished_at = now_us()
         record.status, record.error, record.ids_source = "error", e.message, "none"
+        deliver(record, self.sinks)
+
+    async def _answer_locally(
+        self, flow: http.HTTPFlow, dialect: Dialect, req: HarnessRequest, record: CallRecord
+    ) -> None:
+        """A request the dialect answers itself (e.g. count_tokens): no upstream call; the
+        record says route=local and has no ids, so it never enters a trace."""
+        assert self.upstream is not None
+        tok = self.tokenizer.tokenizer if self.tokenizer is not None else None
+        counter = PromptCounter(tok, self.upstream.template_flavor)
+        record.route = "local"
+        try:
+            reply = await asyncio.to_thread(dialect.local_reply, req, counter)
+        except DialectError as e:
+            self._refuse(flow, dialect, record, e)
+            return
+        except Exception as e:  # a tokenizer failure must still answer and leave a record
+            log.exception("polar-mitm: local answer for call %s failed", record.call_id)
+            self._refuse(
+                flow, dialect, record, DialectError(f"polar-mitm: {e}", 500, "server_error")
+            )
+            return
+        body = json.dumps(reply).encode()
+        flow.response = http.Response.make(200, body, {"content-type": "application/json"})
+        record.http_status = 200
+        record.first_byte_at = record.finished_at = now_us()
+        record.status, record.ids_source = "completed", "none"
+        record.response_json = json.dumps(reply)
         deliver(record, self.sinks)
 
     def _call_done(self, call: Call) -> None:
@@ -820,7 +855,11 @@ def polar_addons() -> list[object]:
     state = ControlState()
     trajectory = TrajectoryAddon(store, state)
     capture = CaptureAddon(
-        identity, sinks=[state, store, trajectory], retokenize=retokenize, control=state
+        identity,
+        sinks=[state, store, trajectory],
+        retokenize=retokenize,
+        control=state,
+        tokenizer=tokenizer,
     )
     control = ControlAddon(state, trajectory.rollouts)
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight

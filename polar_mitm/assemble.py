@@ -43,7 +43,11 @@ class ChatAssembler:
 
     def feed(self, chunk: dict[str, Any]) -> None:
         if self.id is None:
-            self.id, self.model, self.created = chunk.get("id"), chunk.get("model"), chunk.get("created")
+            self.id, self.model, self.created = (
+                chunk.get("id"),
+                chunk.get("model"),
+                chunk.get("created"),
+            )
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         choices = chunk.get("choices")
@@ -100,7 +104,9 @@ class ChatAssembler:
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "message": self.message(), "finish_reason": self.finish_reason}],
+            "choices": [
+                {"index": 0, "message": self.message(), "finish_reason": self.finish_reason}
+            ],
             "usage": self.usage,
         }
 
@@ -158,7 +164,10 @@ def reply_to_chunks(reply: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
         )
-    chunks.append(chunk({}, choice.get("finish_reason") or "stop"))
+    final = chunk({}, choice.get("finish_reason") or "stop")
+    if choice.get("stop_reason") is not None:  # vLLM: the stop string or token that ended it
+        final["choices"][0]["stop_reason"] = choice["stop_reason"]
+    chunks.append(final)
     if reply.get("usage"):
         chunks.append({**base, "choices": [], "usage": reply["usage"]})
     return chunks

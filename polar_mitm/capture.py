@@ -93,6 +93,7 @@ class CallRecord:
     request_json: str | None = None
     response_json: str | None = None
     headers_json: str | None = None
+    translation_notes: list[str] = field(default_factory=list)
 
     def mark_first_byte(self) -> None:
         if self.first_byte_at is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,13 +22,20 @@ import aiohttp
 
 from .assemble import ChatAssembler, reply_to_chunks
 from .capture import CallRecord, CallSink, deliver, now_us, redacted_json
-from .dialects import Dialect, HarnessRequest
+from .dialects import Dialect, HarnessRequest, StreamTranslator
 from .retokenize import RetokenizeJob, Retokenizer
 from .sse import SSEParser
 from .upstream import TokenTally, Upstream
 
 log = logging.getLogger(__name__)
 _ERROR_BODY_LIMIT = 64 << 10
+# vLLM's and SGLang's refusals of an output cap that does not fit beside the prompt (not of a
+# prompt that is itself too long, which no retry can help).
+_CAP_TOO_LARGE = re.compile(
+    r"(?is)(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
+    r".*maximum context length|maximum context length.*"
+    r"(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
+)
 
 
 class ClientGone(Exception):
@@ -87,6 +95,8 @@ class Call:
         self.tally = TokenTally()
         self.assembler = ChatAssembler()
         self.upstream_body: dict[str, Any] | None = None
+        # The harness's stream, kept so that a failure ends the very stream it started.
+        self.translator: StreamTranslator | None = None
         self.task: asyncio.Task | None = None
         self._finished = False
         self._abort = ("client_aborted", "the harness closed the connection")
@@ -111,13 +121,18 @@ class Call:
                 connect=self.settings.connect_timeout,
                 sock_read=self.settings.stall_timeout,
             )
-            async with session.post(upstream.chat_url, json=body, timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise await self._upstream_error(resp)
-                if stream_upstream:
-                    await self._relay_stream(resp, out)
-                else:
-                    await self._relay_reply(resp, out)
+            for retry in (False, True):
+                async with session.post(upstream.chat_url, json=body, timeout=timeout) as resp:
+                    if resp.status != 200:
+                        failure = await self._upstream_error(resp)
+                        if not retry and self._drop_output_cap(resp.status, failure, body):
+                            continue
+                        raise failure
+                    if stream_upstream:
+                        await self._relay_stream(resp, out)
+                    else:
+                        await self._relay_reply(resp, out)
+                    break
         except ClientGone:
             self.finish("client_aborted", "the harness closed the connection mid-reply")
         except asyncio.CancelledError:
@@ -144,7 +159,7 @@ class Call:
             await self._answer_error(out, UpstreamFailed(f"polar-mitm internal error: {e}", 500))
 
     async def _relay_stream(self, resp: aiohttp.ClientResponse, out: Output) -> None:
-        translator = self.dialect.stream(self.req)
+        translator = self.translator = self.dialect.stream(self.req)
         parser = SSEParser()
         upstream = self.settings.upstream
         await out.start(200, translator.content_type)
@@ -159,6 +174,8 @@ class Call:
                 if "error" in chunk and not chunk.get("choices"):
                     raise UpstreamFailed(f"upstream error mid-stream: {_error_message(chunk)}")
                 upstream.take_chunk(chunk, self.tally)
+                if translator.prompt_tokens is None and self.tally.prompt_ids is not None:
+                    translator.prompt_tokens = len(self.tally.prompt_ids)
                 self.assembler.feed(chunk)
                 piece = translator.chunk(chunk)
                 if piece:
@@ -183,7 +200,9 @@ class Call:
             raise UpstreamFailed("upstream reply is not a chat completion")
         self.settings.upstream.take_reply(reply, self.tally)
         if self.req.stream:  # the server cannot stream with token flags: synthesize the stream
-            translator = self.dialect.stream(self.req)
+            translator = self.translator = self.dialect.stream(self.req)
+            if self.tally.prompt_ids is not None:
+                translator.prompt_tokens = len(self.tally.prompt_ids)
             await out.start(200, translator.content_type)
             pieces = []
             for chunk in reply_to_chunks(reply):
@@ -217,11 +236,29 @@ class Call:
             kind = "rate_limit_error"
         return UpstreamFailed(message, resp.status, kind)
 
+    def _drop_output_cap(self, status: int, failure: UpstreamFailed, body: dict[str, Any]) -> bool:
+        """The harness's output cap is an upper bound (Claude Code asks up to 128000), but vLLM
+        and SGLang refuse a request whose prompt plus cap exceeds the context instead of
+        clamping it. Without the cap they generate to the end of the context, which is less
+        than the cap, so sending it again without one is the clamp the harness meant."""
+        if status != 400 or not _CAP_TOO_LARGE.search(failure.message):
+            return False
+        caps = [key for key in ("max_tokens", "max_completion_tokens") if key in body]
+        if not caps:
+            return False
+        for key in caps:
+            cap = body.pop(key)
+        self.record.translation_notes.append(
+            f"{caps[0]}={cap} dropped: the prompt plus it exceeds the model's context"
+        )
+        return True
+
     async def _answer_error(self, out: Output, e: UpstreamFailed) -> None:
         self.record.http_status = e.status
         try:
             if out.started:
-                await out.write(self.dialect.stream(self.req).fail(e.message, e.kind))
+                translator = self.translator or self.dialect.stream(self.req)
+                await out.write(translator.fail(e.message, e.kind))
             else:
                 await out.send(e.status, self.dialect.error_bytes(e.status, e.message, e.kind))
         except ClientGone:

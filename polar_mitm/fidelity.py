@@ -7,7 +7,8 @@ naming the option, never a proxy that silently skips its checks.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ class PolicyTokenizer:
     spec: str
     kind: str  # "hf" | "tiktoken"
     impl: Any
+    # HF fast tokenizers must not be driven from two threads at once ("Already borrowed"):
+    # everyone who uses `impl` off the event loop holds this.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def encode(self, text: str) -> list[int]:
         if self.kind == "hf":
@@ -40,7 +44,9 @@ def load_tokenizer(spec: str) -> PolicyTokenizer:
         return PolicyTokenizer(spec, "tiktoken", _load_tiktoken(spec[len("tiktoken:") :]))
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise TokenizerError(f"{spec!r} is not a directory (want a Hugging Face tokenizer dir or tiktoken:NAME)")
+        raise TokenizerError(
+            f"{spec!r} is not a directory (want a Hugging Face tokenizer dir or tiktoken:NAME)"
+        )
     try:
         from transformers import AutoTokenizer
 

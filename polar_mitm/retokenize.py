@@ -70,9 +70,11 @@ class Retokenizer:
 
     tokenizer: PolicyTokenizer
     trust: bool = False
-    # HF fast tokenizers must not be driven from two threads at once ("Already borrowed").
-    _lock: threading.Lock = field(default_factory=threading.Lock)
     _pending: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def _lock(self) -> threading.Lock:
+        return self.tokenizer.lock  # shared with everyone else who drives the tokenizer
 
     @property
     def available(self) -> bool:

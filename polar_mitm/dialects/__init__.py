@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from .base import Dialect, DialectError, HarnessRequest, StreamTranslator
+from .anthropic_messages import AnthropicMessages
+from .base import Dialect, DialectError, HarnessRequest, LocalContext, StreamTranslator
 from .openai_chat import OpenAIChat
+from .openai_responses import OpenAIResponses
 
-DIALECTS: tuple[Dialect, ...] = (OpenAIChat(),)
+DIALECTS: tuple[Dialect, ...] = (OpenAIChat(), OpenAIResponses(), AnthropicMessages())
 
 
 def detect(method: str, path: str) -> Dialect | None:
@@ -23,4 +25,13 @@ def by_name(name: str) -> Dialect:
     raise KeyError(name)
 
 
-__all__ = ["DIALECTS", "Dialect", "DialectError", "HarnessRequest", "StreamTranslator", "by_name", "detect"]
+__all__ = [
+    "DIALECTS",
+    "Dialect",
+    "DialectError",
+    "HarnessRequest",
+    "LocalContext",
+    "StreamTranslator",
+    "by_name",
+    "detect",
+]

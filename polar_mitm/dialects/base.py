@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 
 class DialectError(Exception):
@@ -36,14 +36,32 @@ class HarnessRequest:
     wants_logprobs: bool = False
     top_logprobs: int = 0
     wants_usage: bool = False  # chat streams: the harness asked for the usage chunk
-    purpose: str = "main"
+    purpose: str = "main"  # main | side | title | summary | count_tokens ... (CallRecord.purpose)
+    local: bool = False  # answered by `Dialect.local_reply`, without an upstream call
+    # What the translation left out or changed, one line each (CallRecord.translation_notes).
+    notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # dialect-private state
 
 
+class LocalContext(Protocol):
+    """What `Dialect.local_reply` may use: the proxy's own resources, never the upstream."""
+
+    def prompt_tokens(self, chat: dict[str, Any]) -> int:
+        """How many tokens the policy's prompt for this chat body has."""
+        ...
+
+
 class StreamTranslator(ABC):
-    """Turns cleaned upstream chat chunks into the harness's event stream, chunk by chunk."""
+    """Turns cleaned upstream chat chunks into the harness's event stream, chunk by chunk.
+
+    One translator serves one call: `Call` keeps it, so `fail` can end the stream it started
+    (a Responses stream must fail under the id it was created with). `prompt_tokens` is set by
+    `Call` once the upstream has told the prompt length (its token fields are taken out of the
+    chunks before the translator sees them), for dialects that announce it up front.
+    """
 
     content_type: ClassVar[str] = "text/event-stream"
+    prompt_tokens: int | None = None
 
     @abstractmethod
     def chunk(self, chunk: dict[str, Any]) -> bytes:
@@ -79,6 +97,10 @@ class Dialect(ABC):
     @abstractmethod
     def error_body(self, status: int, message: str, kind: str) -> dict[str, Any]:
         """The dialect's error JSON (what the real API returns, so SDKs raise the right error)."""
+
+    def local_reply(self, req: HarnessRequest, local: LocalContext) -> dict[str, Any]:
+        """The reply to a request parsed with `local=True` (e.g. Anthropic's count_tokens)."""
+        raise DialectError(f"{self.name} answers no requests locally", 500, "server_error")
 
     def error_bytes(self, status: int, message: str, kind: str) -> bytes:
         return json.dumps(self.error_body(status, message, kind)).encode()

@@ -35,7 +35,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("stream", pa.bool_()),
         pa.field("upstream_kind", pa.string()),
         pa.field("upstream_url", pa.string()),
-        pa.field("route", pa.string()),  # chat | token_in
+        pa.field("route", pa.string()),  # chat | local (answered by the proxy) | token_in
         pa.field("model_requested", pa.string()),
         pa.field("model_served", pa.string()),
         pa.field("policy_version", pa.string()),  # when the call started
@@ -58,6 +58,8 @@ CALLS_SCHEMA = pa.schema(
         pa.field("request_json", pa.string()),  # the harness's request body, redacted
         pa.field("response_json", pa.string()),  # the reply as the harness received it, assembled
         pa.field("headers_json", pa.string()),  # harness request headers, redacted
+        # what the dialect left out translating the request (e.g. a billing-header system block)
+        pa.field("translation_notes", pa.list_(pa.string())),
     ]
 )
 
