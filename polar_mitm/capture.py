@@ -108,18 +108,29 @@ class CallRecord:
 
 
 class CallSink(Protocol):
-    """Anything that wants finished calls: the store, trajectories, fidelity checks."""
+    """Anything that wants finished calls: the store, trajectories, fidelity checks.
 
-    def call_finished(self, record: CallRecord) -> None: ...
+    A sink may return a *receipt*: a `concurrent.futures.Future` (or an awaitable) that is done
+    once the record is durable (the store: fsynced in the journal). The gateway holds the last
+    bytes of a completed reply until its receipts are done; most sinks return None.
+    """
+
+    def call_finished(self, record: CallRecord) -> Any: ...
 
 
-def deliver(record: CallRecord, sinks: Iterable[CallSink]) -> None:
-    """Hand a finished record to every sink; one failing sink must not starve the others."""
+def deliver(record: CallRecord, sinks: Iterable[CallSink]) -> list[Any]:
+    """Hand a finished record to every sink; one failing sink must not starve the others.
+    Returns the receipts the sinks gave back."""
+    receipts = []
     for sink in sinks:
         try:
-            sink.call_finished(record)
+            receipt = sink.call_finished(record)
         except Exception:
             log.exception("polar-mitm: %r failed on call %s", sink, record.call_id)
+            continue
+        if receipt is not None:
+            receipts.append(receipt)
+    return receipts
 
 
 def redact_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:

@@ -10,6 +10,7 @@ call leaves one record, and the harness always gets a well-formed answer in its 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import re
@@ -36,6 +37,9 @@ _CAP_TOO_LARGE = re.compile(
     r".*maximum context length|maximum context length.*"
     r"(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
 )
+# How long a completed reply's last bytes wait for the record to be durable (see `_durable`):
+# far above a journal fsync (~1 ms), low enough that a failing disk only slows harnesses down.
+DURABLE_WAIT_S = 10.0
 
 
 class ClientGone(Exception):
@@ -100,6 +104,7 @@ class Call:
         self.task: asyncio.Task | None = None
         self._finished = False
         self._abort = ("client_aborted", "the harness closed the connection")
+        self._receipts: list[Any] = []  # from the sinks: done once the record is durable
 
     # -- driving the call -------------------------------------------------------------------
 
@@ -188,8 +193,7 @@ class Call:
             raise UpstreamFailed(
                 f"upstream {upstream.base_url} ended the stream before it was complete"
             )
-        await self._write(out, translator.finish())
-        self.finish("completed")
+        await self._complete(out, translator.finish())
 
     async def _relay_reply(self, resp: aiohttp.ClientResponse, out: Output) -> None:
         try:
@@ -208,14 +212,50 @@ class Call:
             for chunk in reply_to_chunks(reply):
                 self.assembler.feed(chunk)
                 pieces.append(translator.chunk(chunk))
-            pieces.append(translator.finish())
             await self._write(out, b"".join(pieces))
+            await self._complete(out, translator.finish())
         else:
             self.assembler.feed(reply)
             harness_reply = self.dialect.reply(self.req, reply)
             self.record.mark_first_byte()
+            # send() only sets the response: the gateway writes it after run() returns, so
+            # the whole body is what waits for the record here.
             await out.send(200, json.dumps(harness_reply, ensure_ascii=False).encode())
+            self.finish("completed")
+            await self._durable()
+
+    async def _complete(self, out: Output, final: bytes) -> None:
+        """End a completed stream: the record first, then (once it is durable) the last bytes.
+
+        The harness takes a reply as complete only on its last event (``data: [DONE]``,
+        ``message_stop``, ``response.completed``), so holding that event until the record is in
+        the journal means a reply the harness saw complete is never lost to a crash. The other
+        way round is harmless: a record of a finished generation whose last event never arrived.
+        """
         self.finish("completed")
+        await self._durable()
+        await self._write(out, final)
+
+    async def _durable(self) -> None:
+        """Wait (bounded) for the sinks' receipts: the record is durable once they are done."""
+        receipts, self._receipts = self._receipts, []
+        if not receipts:
+            return
+        waits = [
+            asyncio.wrap_future(r) if isinstance(r, concurrent.futures.Future) else r
+            for r in receipts
+        ]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), DURABLE_WAIT_S)
+        except TimeoutError:
+            log.warning(
+                "polar-mitm: call %s: the record is not durable after %gs (journal stuck?); "
+                "sending the end of the reply anyway",
+                self.record.call_id,
+                DURABLE_WAIT_S,
+            )
+        except Exception as e:  # a sink's failure must not keep the harness waiting
+            log.warning("polar-mitm: call %s: durability receipt failed: %s", self.record.call_id, e)
 
     async def _write(self, out: Output, data: bytes) -> None:
         if data:
@@ -329,6 +369,7 @@ class Call:
                     prompt_ids=tally.prompt_ids,
                     output_ids=tally.output_ids if tally.saw_output_ids else None,
                 )
+                # Not held for: the record needs the retokenizer first, the harness does not.
                 fallback.submit(job, lambda: deliver(record, self.sinks))
                 if self.on_done is not None:
                     self.on_done(self)
@@ -337,7 +378,7 @@ class Call:
                 "set polar_tokenizer (a Hugging Face tokenizer dir with the chat template) to "
                 "retokenize; until then those records have no ids (flag missing_token_ids)"
             )
-        deliver(record, self.sinks)
+        self._receipts = deliver(record, self.sinks)
         if self.on_done is not None:
             self.on_done(self)
 

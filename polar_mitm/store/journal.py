@@ -21,7 +21,11 @@ On-disk format, chosen to be trivially recoverable:
   back into arrays; see `decode_record`).
 - ``<journal_dir>/committed``: the manifest, one ``<n> <dataset>`` line per (segment, dataset) whose
   rows are all in durable shards. It is appended and fsynced *before* a segment is deleted, so a segment
-  that survives a crash after its shards were written is not written twice.
+  that survives a crash after its shards were written is not written twice. A round of shards can
+  take several files (pieces, days) before its segments are committed, so each shard is announced
+  first with an ``intent <dataset> <path>`` line (fsynced before the file becomes visible) and a
+  ``done <dataset>`` line closes a round whose segments are all committed: after a crash mid-round,
+  recovery reads the keys of the announced shards that exist and does not write those rows again.
 - ``<journal_dir>/LOCK``: an flock held by the one Store (or `recover`) using the directory.
 """
 
@@ -330,52 +334,81 @@ class SegmentWriter:
 
 
 class Manifest:
-    """The ``committed`` file: which (segment, dataset) pairs are already in durable shards."""
+    """The ``committed`` file: which (segment, dataset) pairs are already in durable shards, and
+    which shards of an unfinished round may exist (``intents``, see the module doc)."""
 
     def __init__(self, journal_dir: str) -> None:
         self.dir = journal_dir
         self.path = os.path.join(journal_dir, MANIFEST_NAME)
         self.lines = 0
+        # (dataset, shard path) announced after the dataset's last ``done`` line, by `load`
+        self.intents: list[tuple[str, str]] = []
 
     def load(self) -> set[tuple[int, str]]:
-        """Entries in the file; a torn or malformed line (crash mid-append) is ignored, which can
-        only cause rows to be written again, never lost."""
+        """Entries in the file (and `intents`); a torn or malformed line (crash mid-append) is
+        ignored, which can only cause rows to be written again, never lost."""
         entries: set[tuple[int, str]] = set()
+        self.intents = []
         try:
             with open(self.path, encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except FileNotFoundError:
             return entries
-        for line in text.splitlines():
-            parts = line.split()
+        if text and not text.endswith("\n"):  # a torn last line
+            text = text[: text.rfind("\n") + 1]
+        lines = text.splitlines()
+        for line in lines:
+            parts = line.split(" ", 2)
             if len(parts) == 2 and parts[0].isdigit():
                 entries.add((int(parts[0]), parts[1]))
-        self.lines = len(entries)
+            elif len(parts) == 3 and parts[0] == "intent":
+                self.intents.append((parts[1], parts[2]))
+            elif len(parts) == 2 and parts[0] == "done":
+                self.intents = [(d, p) for d, p in self.intents if d != parts[1]]
+        self.lines = len(lines)
         return entries
 
-    def append(self, entries: Iterable[tuple[int, str]]) -> None:
-        text = "".join(f"{n} {d}\n" for n, d in sorted(entries))
-        if not text:
-            return
+    def _append_text(self, text: str, sync: bool = True) -> None:
         new = not os.path.exists(self.path)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
             _write_all(fd, text.encode())
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         if new:
             fsync_dir(self.dir)
         self.lines += text.count("\n")
 
-    def rewrite(self, entries: Iterable[tuple[int, str]]) -> None:
-        """Atomically replace the manifest with ``entries`` (used to drop lines of deleted segments).
+    def append(self, entries: Iterable[tuple[int, str]]) -> None:
+        text = "".join(f"{n} {d}\n" for n, d in sorted(entries))
+        if text:
+            self._append_text(text)
+
+    def append_intent(self, dataset: str, path: str) -> None:
+        """Announce a shard (durably) before it becomes visible."""
+        if "\n" in path:
+            raise ValueError(f"shard path {path!r} contains a newline")
+        self._append_text(f"intent {dataset} {path}\n")
+
+    def append_done(self, dataset: str) -> None:
+        """Every intent of ``dataset`` so far is covered by committed segments. Not fsynced:
+        losing it only makes recovery check a few more shards."""
+        self._append_text(f"done {dataset}\n", sync=False)
+
+    def rewrite(
+        self, entries: Iterable[tuple[int, str]], intents: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        """Atomically replace the manifest with ``entries`` and the still-open ``intents`` (used to
+        drop lines of deleted segments).
 
         Callers must have made the deletions durable first (fsync of the journal dir); otherwise a
         deleted segment could reappear after a crash with its manifest line gone.
         """
         entries = sorted(set(entries))
-        if not entries:
+        intents = list(dict.fromkeys(intents))
+        if not entries and not intents:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -387,11 +420,12 @@ class Manifest:
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write("".join(f"{n} {d}\n" for n, d in entries))
+            f.write("".join(f"intent {d} {p}\n" for d, p in intents))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         fsync_dir(self.dir)
-        self.lines = len(entries)
+        self.lines = len(entries) + len(intents)
 
 
 class DirectoryLock:

@@ -6,7 +6,9 @@ The rules, in the order they apply:
 1. temp shards (``.part-….parquet.tmp``) under the output are removed (see `cleanup_temp_files`);
 2. every leftover segment is read up to its first damaged frame; the damage (a torn tail from a crash
    mid-write, or garbage) is reported with ONE warning naming the file and offset, never raised;
-3. records of a (segment, dataset) already in the manifest are skipped: their shards exist;
+3. records of a (segment, dataset) already in the manifest are skipped: their shards exist; so are
+   records whose key is in a shard the manifest announced (an ``intent``) and that exists — a crash
+   in the middle of a round of several shards, before its segments were committed;
 4. the remaining rows are deduplicated by key — ``call_id`` for calls, ``(trace_id, revision)`` for
    traces — keeping the last journaled copy (a row journaled twice, e.g. after a failed write that
    was retried into the next segment, is written once);
@@ -103,11 +105,16 @@ def _key(dataset: str, row: dict[str, Any], unique: object) -> tuple[Any, ...]:
 
 
 def scan_journal(
-    journal_dir: str, committed: Iterable[tuple[int, str]], report: RecoveryReport
+    journal_dir: str,
+    committed: Iterable[tuple[int, str]],
+    report: RecoveryReport,
+    published: dict[str, set[tuple[Any, ...]]] | None = None,
 ) -> Scan:
     """Read every leftover segment (rules 2–4 above), filling ``report``; writes nothing and keeps
-    only keys and locations in memory."""
+    only keys and locations in memory. ``published``: dataset -> keys already in shards that no
+    committed segment accounts for (`shards.shard_keys`)."""
     committed = set(committed)
+    published = published or {}
     segments = list_segments(journal_dir)
     report.segments = len(segments)
     # (dataset, key) -> (segment, index, still to shard)
@@ -149,6 +156,11 @@ def scan_journal(
             if (n, dataset) in committed:  # in shards already; it still supersedes older copies
                 report.already_committed += 1
                 latest[key] = (n, i, False)
+                continue
+            if key[2:] in published.get(dataset, ()):  # in a shard of an unfinished round
+                report.already_committed += 1
+                latest[key] = (n, i, False)
+                skip.setdefault(n, set()).add(i)
                 continue
             fully_committed = False
             latest[key] = (n, i, True)

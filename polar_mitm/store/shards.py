@@ -27,6 +27,7 @@ import os
 import posixpath
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -248,8 +249,17 @@ class ShardWriter:
         self._dirs: set[str] = set()
         self._last = _dt.datetime.min.replace(tzinfo=_dt.UTC)
 
-    def write(self, dataset: str, table: pa.Table, segment: int, segments: list[int]) -> list[str]:
+    def write(
+        self,
+        dataset: str,
+        table: pa.Table,
+        segment: int,
+        segments: list[int],
+        announce: Callable[[str, str], None] | None = None,
+    ) -> list[str]:
         """Write ``table`` (already of the dataset's schema) as one shard per day; returns paths.
+        ``announce(dataset, path)`` is called just before each file becomes visible (the rename,
+        the upload), so the caller can record it durably first (the manifest's intents).
 
         Raises on any failure; files of days written before the failure stay (they are complete), and
         the retry writes those rows again — readers dedupe by key, so that costs space, not truth.
@@ -270,9 +280,9 @@ class ShardWriter:
             directory = self._join(self.location.dataset_dir(dataset), f"date={day}")
             name = shard_name(now, self.proxy_id, segment)
             if self.location.local:
-                paths.append(self._write_local(directory, name, part, dataset))
+                paths.append(self._write_local(directory, name, part, dataset, announce))
             else:
-                paths.append(self._write_remote(directory, name, part, dataset))
+                paths.append(self._write_remote(directory, name, part, dataset, announce))
         return paths
 
     def _join(self, *parts: str) -> str:
@@ -305,7 +315,14 @@ class ShardWriter:
             fsync_dir(os.path.dirname(c))
         self._dirs.add(directory)
 
-    def _write_local(self, directory: str, name: str, table: pa.Table, dataset: str) -> str:
+    def _write_local(
+        self,
+        directory: str,
+        name: str,
+        table: pa.Table,
+        dataset: str,
+        announce: Callable[[str, str], None] | None,
+    ) -> str:
         self._ensure_local_dir(directory)
         final = os.path.join(directory, name)
         tmp = os.path.join(directory, "." + name + TMP_SUFFIX)
@@ -316,6 +333,8 @@ class ShardWriter:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if announce is not None:
+                announce(dataset, final)
             os.rename(tmp, final)
         except BaseException:
             try:
@@ -326,7 +345,14 @@ class ShardWriter:
         fsync_dir(directory)
         return final
 
-    def _write_remote(self, directory: str, name: str, table: pa.Table, dataset: str) -> str:
+    def _write_remote(
+        self,
+        directory: str,
+        name: str,
+        table: pa.Table,
+        dataset: str,
+        announce: Callable[[str, str], None] | None,
+    ) -> str:
         fs = self.location.fs
         if directory not in self._dirs:
             # Object stores have no directories: creating one would only add a marker object
@@ -338,6 +364,8 @@ class ShardWriter:
         pq.write_table(table, sink, **self._options(dataset, table))
         data = sink.getvalue()
         final = posixpath.join(directory, name)
+        if announce is not None:
+            announce(dataset, final)
         try:
             with fs.open_output_stream(final) as out:
                 out.write(data)
@@ -348,6 +376,32 @@ class ShardWriter:
                 pass
             raise
         return final
+
+
+KEY_COLUMNS = {"calls": ("call_id",), "traces": ("trace_id", "revision")}
+
+
+def shard_keys(location: Location, intents: list[tuple[str, str]]) -> dict[str, set[tuple]]:
+    """dataset -> row keys held by those announced shards that exist (see `journal.Manifest`):
+    rows recovery must not write again. A shard that cannot be read is reported and skipped
+    (at worst its rows are written twice; readers dedupe)."""
+    keys: dict[str, set[tuple]] = {d: set() for d in SCHEMAS}
+    wanted = [(d, p) for d, p in intents if d in SCHEMAS]
+    if not wanted:
+        return keys
+    infos = location.fs.get_file_info([p for _, p in wanted])
+    for (dataset, path), info in zip(wanted, infos, strict=True):
+        if info.type != pafs.FileType.File:
+            continue
+        try:
+            table = pq.read_table(
+                path, columns=list(KEY_COLUMNS[dataset]), filesystem=location.fs
+            )
+        except (OSError, pa.ArrowException) as exc:
+            log.warning("polar store: cannot read the keys of shard %s: %s", path, exc)
+            continue
+        keys[dataset].update(zip(*(table.column(c).to_pylist() for c in table.column_names)))
+    return keys
 
 
 def cleanup_temp_files(

@@ -25,6 +25,9 @@ overlaps the GIL-free write and fsync of the next batch.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import heapq
+import itertools
 import logging
 import os
 import queue
@@ -54,7 +57,7 @@ from .journal import (
 )
 from .recovery import RecoveryReport, load_rows, scan_journal
 from .schema import SCHEMAS
-from .shards import ShardWriter, cleanup_temp_files, resolve_output, to_table
+from .shards import ShardWriter, cleanup_temp_files, resolve_output, shard_keys, to_table
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +203,16 @@ class Store:
         self._journal: SegmentWriter | None = None
         self._manifest = Manifest(self.journal_dir)
         self._committed_live: set[tuple[int, str]] = set()
+        # shards announced in the manifest whose round has not closed yet (kept by a compaction)
+        self._open_intents: list[tuple[str, str]] = []
         self._pending = {d: _Pending() for d in SCHEMAS}
         self._outstanding: Counter[int] = Counter()
         self._skip: dict[int, set[int]] = {}  # recovery: superseded records per segment
         self._keep: set[int] = set()  # unreadable leftover segments: never deleted by us
         self._journaled_seq = 0
+        # journaled() futures waiting for a sequence number: (seq, tiebreak, future), a heap
+        self._waiters: list[tuple[int, int, concurrent.futures.Future[bool]]] = []
+        self._waiter_ids = itertools.count()
         self._flushed_seq = 0
         self._flush_target = 0
         self._flush_now = False
@@ -275,8 +283,9 @@ class Store:
             (log.warning if report.error or report.damaged else log.info)("%s", report)
         return report
 
-    def append(self, dataset: str, row: dict[str, Any]) -> None:
-        """Queue a row; never blocks on I/O and never raises.
+    def append(self, dataset: str, row: dict[str, Any]) -> int:
+        """Queue a row; never blocks on I/O and never raises. Returns the row's sequence number
+        (for `journaled`), 0 when the row was dropped.
 
         ``row`` is keyed by schema column names (missing = null; timestamps as int microseconds
         since the epoch, UTC, or datetimes; list columns as lists). The store takes ownership: do
@@ -287,19 +296,54 @@ class Store:
         try:
             if dataset not in SCHEMAS:
                 self._drop(f"unknown dataset {dataset!r}")
-                return
+                return 0
             if not isinstance(row, dict):
                 self._drop(f"{dataset} row is a {type(row).__name__}, not a dict")
-                return
+                return 0
             with self._append_lock:
                 if not self._accepting:
                     self._drop("store is closed")
-                    return
+                    return 0
                 self._seq += 1
                 self._queue.put((self._seq, dataset, row))
                 self._stats["appended"] += 1
+                return self._seq
         except Exception as exc:  # pragma: no cover - defensive: append must never raise
             log.error("polar store: append failed: %s", exc)
+            return 0
+
+    def journaled(self, seq: int | None = None) -> concurrent.futures.Future[bool]:
+        """A future that becomes True once row ``seq`` (default: every row appended so far) is
+        fsynced in the journal, or False if the store closes first. The non-blocking form of
+        `sync`, for an event loop: ``await asyncio.wrap_future(store.journaled(seq))``.
+
+        The journal thread resolves it right after the batch's fsync, so it costs the caller no
+        extra I/O; a row dropped by `append` (seq 0) is resolved at once.
+        """
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        target = self._seq if seq is None else seq
+        with self._progress:
+            if self._journaled_seq >= target:
+                done = True
+            elif self._state == "closed":
+                done = False
+            else:
+                heapq.heappush(self._waiters, (target, next(self._waiter_ids), future))
+                return future
+        future.set_result(done)
+        return future
+
+    def _resolve_waiters(self, everything: bool = False) -> None:
+        """Resolve the journaled() futures that are due (all of them when closing); called
+        without the lock held, since resolving runs the futures' callbacks."""
+        with self._progress:
+            due = []
+            while self._waiters and (everything or self._waiters[0][0] <= self._journaled_seq):
+                seq, _, future = heapq.heappop(self._waiters)
+                due.append((future, seq <= self._journaled_seq))
+        for future, ok in due:
+            if not future.done():
+                future.set_result(ok)
 
     def sync(self, timeout: float | None = None) -> bool:
         """Block until every row appended so far is fsynced in the journal; False on timeout."""
@@ -347,6 +391,7 @@ class Store:
                         self._queue.qsize(),
                     )
                 self._state = "closed"
+                self._resolve_waiters(everything=True)
                 return
             deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -375,6 +420,7 @@ class Store:
                 self._state = "closed"
                 leftover = sum(p.count for p in self._pending.values()) + self._queue.qsize()
                 self._progress.notify_all()
+            self._resolve_waiters(everything=True)
             if not alive and leftover == 0 and not list_segments(self.journal_dir):
                 try:
                     fsync_dir(self.journal_dir)  # segment deletions before the manifest goes
@@ -445,7 +491,16 @@ class Store:
         except OSError as exc:
             log.warning("polar store: could not clean temp shards: %s", exc)
         committed = self._manifest.load()
-        scan = scan_journal(self.journal_dir, committed, report)
+        published: dict[str, set[tuple[Any, ...]]] = {}
+        if self._manifest.intents:
+            # A round of several shards was cut short: rows of the shards it managed to publish
+            # must not be written again (their segments are not in the manifest).
+            try:
+                published = shard_keys(self.location, self._manifest.intents)
+            except OSError as exc:  # output unreachable: at worst rows are written twice
+                log.warning("polar store: cannot check the shards of an unfinished round: %s", exc)
+            self._open_intents = list(self._manifest.intents)
+        scan = scan_journal(self.journal_dir, committed, report, published)
         highest = max([n for n, _ in committed] + scan.segments + scan.unreadable, default=0)
         self._journal = SegmentWriter(self.journal_dir, highest + 1)
         now = time.monotonic()
@@ -461,7 +516,7 @@ class Store:
         self._committed_live = {(n, d) for n, d in committed if n in live}
         self._delete_segments([n for n in scan.segments if self._outstanding[n] == 0])
         fsync_dir(self.journal_dir)
-        self._manifest.rewrite(self._committed_live)
+        self._manifest.rewrite(self._committed_live, self._open_intents)
         recovered = report.recovered_rows
         self._stats["recovered_rows"] = recovered
         if recovered:
@@ -544,6 +599,7 @@ class Store:
                 self._stats["journal_bytes"] += sum(len(f) for f in frames)
                 self._journaled_seq = last_seq
                 self._progress.notify_all()
+        self._resolve_waiters()
         self._wake.set()
 
     def _cleanup_abandoned(self) -> None:
@@ -669,6 +725,7 @@ class Store:
         for dataset, p in taken.items():
             try:
                 self._commit(dataset, p, paths)
+                self._close_round(dataset)
             except Exception as exc:
                 error = error or f"{type(exc).__name__}: {exc}"
                 self._error(
@@ -723,6 +780,17 @@ class Store:
         p.rejected = []
         self._finish(dataset, p.segs)
 
+    def _announce(self, dataset: str, path: str) -> None:
+        """Called by the shard writer just before a shard becomes visible: see `Manifest`."""
+        self._manifest.append_intent(dataset, path)
+        self._open_intents.append((dataset, path))
+
+    def _close_round(self, dataset: str) -> None:
+        """Every row of the dataset taken by this round is committed: its intents are moot."""
+        if any(d == dataset for d, _ in self._open_intents):
+            self._manifest.append_done(dataset)
+            self._open_intents = [(d, p) for d, p in self._open_intents if d != dataset]
+
     def _disk_group(self, disk: Counter[int]) -> list[int]:
         """The oldest segments whose rows make about one shard's worth (at least one segment)."""
         group: list[int] = []
@@ -759,7 +827,9 @@ class Store:
         )
         while table.num_rows:
             piece = table.slice(0, step)
-            written = self._shards.write(dataset, piece, segment=max(segments), segments=segments)
+            written = self._shards.write(
+                dataset, piece, segment=max(segments), segments=segments, announce=self._announce
+            )
             table = table.slice(step)
             if progress is not None:
                 progress.tables = [table]
@@ -794,7 +864,7 @@ class Store:
             fsync_dir(self.journal_dir)
             with self._lock:
                 keep = set(self._committed_live)
-            self._manifest.rewrite(keep)
+            self._manifest.rewrite(keep, self._open_intents)
 
     def _maybe_spill(self) -> None:
         """Bound memory while shards cannot keep up: pending rows beyond ``max_pending_bytes``
