@@ -226,13 +226,17 @@ class StoreAddon:
             "polar_output",
             str,
             "./polar-data",
-            "Where captured calls and traces go: a local dir or a pyarrow filesystem URI.",
+            "Where captured calls and traces go: a local dir, or a URI such as "
+            "s3://BUCKET/PREFIX?endpoint_override=HOST:PORT&scheme=http&region=R (credentials from "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, never in the URI; see "
+            "docs/store.md).",
         )
         loader.add_option(
             "polar_journal",
             str,
             "",
-            "Local journal dir (default: <polar_output>/_journal; required for remote output).",
+            "Local journal dir (default: <polar_output>/_journal; required for remote output: one "
+            "per proxy).",
         )
         loader.add_option("polar_flush_rows", int, 512, "Write a shard after this many rows.")
         loader.add_option(
@@ -276,7 +280,7 @@ class StoreAddon:
             self.store = None
             return
         self._started = True
-        log.info("polar-mitm: writing to %s (%s)", ctx.options.polar_output, report)
+        log.info("polar-mitm: writing to %s (%s)", self.store.display_output, report)
 
     def done(self) -> None:
         if self.store is not None and self._started:

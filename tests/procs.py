@@ -129,7 +129,7 @@ class Mitm:
     proc: Proc
     port: int
     confdir: Path
-    output: Path
+    output: Path | str
     options: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -151,7 +151,8 @@ def start_mitm(
     tmp: Path, confdir: Path, upstream: str | None, name: str = "mitm", **options: object
 ) -> Mitm:
     port = free_port()
-    output = Path(str(options.pop("polar_output", tmp / f"{name}-data")))
+    raw = str(options.pop("polar_output", tmp / f"{name}-data"))
+    output = raw if "://" in raw else Path(raw)  # a URI (s3://…) is not a path
     opts: dict[str, str] = {"confdir": str(confdir), "polar_output": str(output)}
     if upstream is not None:
         opts["polar_upstream"] = upstream

@@ -14,9 +14,10 @@ A reader never sees a partial file:
 - remote output (S3, GCS, …): the whole file is built in memory and sent with one
   ``open_output_stream`` to the final key. Object stores make an object visible only when its upload
   completes (PutObject, or CompleteMultipartUpload on close), so no temp key and no copy are needed;
-  pyarrow has no atomic rename on S3 anyway. A failed upload leaves no object (at most an incomplete
-  multipart upload, which a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims); we
-  also delete the key best-effort before retrying.
+  pyarrow has no atomic rename on S3 anyway. With delayed open (`remote.s3_filesystem`) a shard below
+  the multipart part size is a single PutObject. A failed upload leaves no object (a failed big one
+  at most an incomplete multipart upload, which a bucket lifecycle rule
+  ``AbortIncompleteMultipartUpload`` reclaims); we also delete the key best-effort before retrying.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import pyarrow.parquet as pq
 
 from .. import __version__
 from .journal import TYPED_COLUMNS, fsync_dir
+from .remote import display_uri, s3_filesystem
 from .schema import SCHEMA_VERSION, SCHEMAS
 
 log = logging.getLogger(__name__)
@@ -97,12 +99,16 @@ def resolve_output(
         return Location(filesystem, root, local)
     if "://" not in text:
         return Location(pafs.LocalFileSystem(), os.path.abspath(text), True)
+    if text.lower().startswith("s3://"):
+        fs, root = s3_filesystem(text)  # retries, timeouts, no credentials: see remote.py
+        return Location(fs, root, False)
     try:
         fs, path = pafs.FileSystem.from_uri(text)
     except Exception as exc:
         raise ValueError(
-            f"polar_output {text!r} is not a path or a pyarrow filesystem URI: {exc}"
-        ) from exc
+            f"{display_uri(text)} is not a path or a pyarrow filesystem URI: "
+            f"{type(exc).__name__}"
+        ) from None
     local = isinstance(fs, pafs.LocalFileSystem)
     return Location(fs, os.path.abspath(path) if local else path.rstrip("/"), local)
 

@@ -56,6 +56,7 @@ from .journal import (
     segment_name,
 )
 from .recovery import RecoveryReport, load_rows, scan_journal
+from .remote import display_uri
 from .schema import SCHEMAS
 from .shards import ShardWriter, cleanup_temp_files, resolve_output, shard_keys, to_table
 
@@ -164,10 +165,12 @@ class Store:
         max_pending_bytes: int | None = None,
     ) -> None:
         self.location = resolve_output(output, filesystem)
+        #: ``output`` as it may be printed (credentials hidden; see `remote.display_uri`)
+        self.display_output = display_uri(os.fspath(output))
         if journal_dir is None:
             if not self.location.local:
                 raise ValueError(
-                    f"output {os.fspath(output)!r} is remote: give a local journal_dir "
+                    f"output {self.display_output} is remote: give a local journal_dir "
                     "(rows are fsynced there before they are uploaded)"
                 )
             journal_dir = os.path.join(self.location.root, "_journal")
