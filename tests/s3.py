@@ -9,8 +9,6 @@ from __future__ import annotations
 import pyarrow.fs as pafs
 import pytest
 
-from polar_mitm.store.remote import s3_filesystem
-
 # Fake credentials: the proxy gets them from the environment, and they must never reach disk.
 ACCESS_KEY = "AKIAPOLARTESTKEY0001"
 SECRET_KEY = "polar-s3-secret-never-on-disk-7f3a"
@@ -45,8 +43,16 @@ class MotoS3:
         return f"s3://{bucket}/{prefix}?{query}"
 
     def filesystem(self, bucket: str | None = None) -> pafs.S3FileSystem:
-        """The test's own client; with ``bucket``, create it first."""
-        fs, _ = s3_filesystem(self.uri("unused", allow_bucket_creation="true"))
+        """The test's (the trainer's) own client, credentials explicit so that it pickles into
+        other processes (Ray workers) whole; with ``bucket``, create it first."""
+        fs = pafs.S3FileSystem(
+            access_key=ACCESS_KEY,
+            secret_key=SECRET_KEY,
+            region=REGION,
+            scheme="http",
+            endpoint_override=f"{self.host}:{self.port}",
+            allow_bucket_creation=True,
+        )
         if bucket is not None:
             fs.create_dir(bucket)
         return fs
