@@ -809,3 +809,102 @@ def test_close_with_no_time_left_still_journals_every_row(out: Path) -> None:
     again.close()
     raw = read_table(out, "calls", dedup=False)
     assert sorted(raw.column("call_id").to_pylist()) == sorted(f"call-{i}" for i in range(300))
+
+
+# -- a crash in the middle of a round of several shards ------------------------------------------
+
+MID_ROUND_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[2])
+    from tests.test_store import call_row
+    from polar_mitm.store import Store
+    from polar_mitm.store.shards import ShardWriter
+
+    real = ShardWriter.write
+    calls = []
+
+    def write_then_die(self, *args, **kwargs):
+        if calls:
+            os._exit(9)  # the second shard of the round: die before it is written
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    ShardWriter.write = write_then_die
+    store = Store(sys.argv[1], flush_rows=5, flush_age_s=3600)
+    store.start()
+    for i in range(25):
+        store.append("calls", call_row(i))
+    store.flush(10)  # a round of 25 rows in pieces of 10: dies after the first piece
+    os._exit(3)
+    """
+)
+
+
+def test_crash_between_the_shards_of_one_round_writes_nothing_twice(out: Path) -> None:
+    repo = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", MID_ROUND_SCRIPT, str(out), repo],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 9, proc.stderr
+    assert read_table(out, "calls", dedup=False).num_rows == 10  # the first piece was published
+    assert "intent calls " in (journal_dir(out) / "committed").read_text()
+    report = recover(out)
+    assert report.rows["calls"] == 15 and report.already_committed == 10
+    raw = read_table(out, "calls", dedup=False)
+    assert sorted(raw.column("call_id").to_pylist()) == sorted(f"call-{i}" for i in range(25))
+    assert not (journal_dir(out) / "committed").exists()  # all done: the manifest is cleared
+
+
+def test_a_torn_intent_line_is_ignored(out: Path) -> None:
+    jdir = journal_dir(out)
+    write_segment(jdir, 1, [("calls", call_row(i)) for i in range(3)])
+    (jdir / "committed").write_text(f"intent calls {out}/calls/date=2023-11-14/part-x.parq")
+    report = recover(out)
+    assert report.rows["calls"] == 3 and report.already_committed == 0
+    assert read_table(out, "calls", dedup=False).num_rows == 3
+
+
+def test_a_multi_day_flush_failing_midway_writes_no_day_twice(tmp_path: Path) -> None:
+    handler = FlakyFS(tmp_path / "bucket")
+    (tmp_path / "bucket").mkdir()
+    fs = pafs.PyFileSystem(handler)
+    handler.fail_attempts = {2}  # the second day's upload fails once
+    store = Store("data", journal_dir=tmp_path / "journal", filesystem=fs, flush_age_s=3600)
+    store.start()
+    for i in range(6):
+        store.append("calls", call_row(i, started_at=T0 + (i % 2) * DAY))
+    assert store.flush(timeout=10)
+    store.close()
+    raw = read_table("data", "calls", filesystem=fs, dedup=False)
+    assert sorted(raw.column("call_id").to_pylist()) == sorted(f"call-{i}" for i in range(6))
+    assert handler.attempts == 3
+
+
+# -- journaled(): the non-blocking sync ----------------------------------------------------------
+
+
+def test_journaled_futures_resolve_after_the_fsync(out: Path) -> None:
+    store = Store(out, flush_age_s=3600)
+    early = store.journaled(store.append("calls", call_row(0)))  # before start: waits
+    assert not early.done()
+    store.start()
+    assert early.result(timeout=10) is True
+    seqs = [store.append("calls", call_row(i)) for i in range(1, 50)]
+    assert seqs == list(range(2, 51))
+    futures = [store.journaled(s) for s in seqs]
+    assert all(f.result(timeout=10) for f in futures)
+    assert store.stats["journaled"] >= 50  # resolved only once journaled
+    assert store.journaled(0).result(timeout=0) is True  # a dropped row: nothing to wait for
+    store.close()
+    assert store.append("calls", call_row(99)) == 0  # closed: dropped, seq 0
+
+
+def test_journaled_is_false_when_the_store_closes_unstarted(out: Path) -> None:
+    store = Store(out)
+    future = store.journaled(store.append("calls", call_row(0)))
+    store.close()
+    assert future.result(timeout=1) is False

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import datetime as _dt
 import heapq
 import itertools
 import logging
@@ -58,7 +59,14 @@ from .journal import (
 from .recovery import RecoveryReport, load_rows, scan_journal
 from .remote import display_uri
 from .schema import SCHEMAS
-from .shards import ShardWriter, cleanup_temp_files, resolve_output, shard_keys, to_table
+from .shards import (
+    ShardWriter,
+    cleanup_temp_files,
+    resolve_output,
+    shard_keys,
+    split_by_date,
+    to_table,
+)
 
 log = logging.getLogger(__name__)
 
@@ -829,18 +837,23 @@ class Store:
             min(SHARD_MAX_FACTOR * self.flush_rows, SHARD_MAX_FACTOR * self.flush_bytes // per_row),
         )
         while table.num_rows:
-            piece = table.slice(0, step)
-            written = self._shards.write(
-                dataset, piece, segment=max(segments), segments=segments, announce=self._announce
-            )
-            table = table.slice(step)
-            if progress is not None:
-                progress.tables = [table]
-            paths += written
-            with self._lock:
-                self._stats["shards_written"] += len(written)
-                self._stats["rows_in_shards"] += piece.num_rows
-                self._stats["last_shard"] = written[-1] if written else self._stats["last_shard"]
+            piece, rest = table.slice(0, step), table.slice(step)
+            # One file per day, written one at a time, so that progress can say exactly which
+            # rows are still unwritten when a later day's upload fails.
+            now = _dt.datetime.now(_dt.UTC)
+            days = [part for _, part in split_by_date(dataset, piece, now)]
+            for k, part in enumerate(days):
+                written = self._shards.write(
+                    dataset, part, segment=max(segments), segments=segments, announce=self._announce
+                )
+                if progress is not None:
+                    progress.tables = [*days[k + 1 :], rest]
+                paths += written
+                with self._lock:
+                    self._stats["shards_written"] += len(written)
+                    self._stats["rows_in_shards"] += part.num_rows
+                    self._stats["last_shard"] = written[-1] if written else self._stats["last_shard"]
+            table = rest
 
     def _dead_letter(self, dataset: str, rejected: list[tuple[dict[str, Any], str]]) -> None:
         if rejected:
