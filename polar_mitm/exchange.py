@@ -255,7 +255,9 @@ class Call:
                 DURABLE_WAIT_S,
             )
         except Exception as e:  # a sink's failure must not keep the harness waiting
-            log.warning("polar-mitm: call %s: durability receipt failed: %s", self.record.call_id, e)
+            log.warning(
+                "polar-mitm: call %s: durability receipt failed: %s", self.record.call_id, e
+            )
 
     async def _write(self, out: Output, data: bytes) -> None:
         if data:

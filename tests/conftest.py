@@ -10,6 +10,7 @@ import pytest
 from polar_mitm.certs import ensure_ca
 
 from .procs import Mitm, PolicyServer, start_mitm, start_policy_server
+from .s3 import moto_s3, s3_env  # noqa: F401 - fixtures: an S3 server on loopback, AWS env
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from polar_mitm.store import list_shards, read_table
 from .clients import http_client
 from .procs import Mitm, start_mitm, start_policy_server
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 KILL_SCENARIO = {
     "model": "Qwen/Qwen3-4B",
     "scripts": [{"name": "reply", "turns": [{"content": " ".join(WORDS)}]}],
@@ -73,7 +73,11 @@ async def _load(mitm: Mitm, iteration: int, kill_after: int) -> dict:
             while not killed.is_set():
                 rid = f"k{iteration}-w{w}-n{n}"
                 n += 1
-                body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": rid}]}
+                body = {
+                    "model": "m",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": rid}],
+                }
                 started.add(rid)
                 in_flight.add(rid)
                 content = False
@@ -202,6 +206,8 @@ def test_corrupt_journal_tail_is_recovered_at_proxy_start(
         )
         assert r.status_code == 200, r.text
     assert again.stop() == 0
-    expected = [f"corrupt.{i}" for i in range(4 if "truncated" in damage else 5)] + ["corrupt.after"]
+    expected = [f"corrupt.{i}" for i in range(4 if "truncated" in damage else 5)] + [
+        "corrupt.after"
+    ]
     assert sorted(read_table(output, "calls").column("rollout_id").to_pylist()) == expected
     assert not list((output / "_journal").glob("seg-*.log"))

@@ -18,11 +18,11 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pytest
 
-from polar_mitm.store import Store, list_shards, read_table
+from polar_mitm.store import CALLS_SCHEMA, Store, list_shards, read_table
 
 from .clients import http_client
 from .procs import start_mitm
-from .s3 import MotoS3, moto_s3, s3_env  # noqa: F401 - fixtures
+from .s3 import MotoS3
 from .test_capture_e2e import SCENARIO
 
 pytestmark = pytest.mark.slow
@@ -118,10 +118,12 @@ def test_hf_datasets_load_dataset_parquet(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     datasets = pytest.importorskip("datasets")
     out, truth = written["out"], written["truth"]
+    # features from the schema: what keeps shards written before a new column loadable
     dset = datasets.load_dataset(
         "parquet",
         data_files={"train": f"{out}/calls/**/*.parquet"},
         split="train",
+        features=datasets.Features.from_arrow_schema(CALLS_SCHEMA),
         cache_dir=str(tmp_path / "hf-cache"),
     )
     assert dset.num_rows == truth["rows"]
@@ -161,7 +163,7 @@ def test_ray_data_read_parquet(written: dict, ray_local) -> None:
 
 
 def test_many_proxies_one_bucket_and_a_ray_job_over_every_shard(
-    tmp_path: Path, confdir: Path, make_policy_server, moto_s3: MotoS3, ray_local  # noqa: F811
+    tmp_path: Path, confdir: Path, make_policy_server, moto_s3: MotoS3, ray_local
 ) -> None:
     """Three proxies, one bucket prefix, a journal each: shard names carry the proxy id, so no
     proxy overwrites another's shard; a Ray Data job over all of them gives per-group figures."""
@@ -182,9 +184,22 @@ def test_many_proxies_one_bucket_and_a_ray_job_over_every_shard(
         )
         for k in range(3)
     ]
+    for mitm in proxies:
+        mitm.proc.wait_for("polar-mitm: writing to")
+    # a fourth proxy on the first one's journal would corrupt it: refused at start-up, one line
+    intruder = start_mitm(
+        tmp_path,
+        confdir,
+        server.url,
+        name="intruder",
+        polar_output=uri,
+        polar_journal=tmp_path / "journal0",
+    )
+    intruder.proc.wait_for(r"polar_output: journal directory \S+journal0 is in use")
+    assert intruder.proc.popen.wait(10) == 1
+    intruder.stop()
     sent: Counter[str] = Counter()
     for k, mitm in enumerate(proxies):
-        mitm.proc.wait_for("polar-mitm: writing to")
         with http_client(mitm) as client:
             for i in range(5 + k):  # groups spread over the proxies, as a scheduler would
                 group = f"task-{(i + k) % 4}"

@@ -19,7 +19,7 @@ from polar_mitm.store.remote import RemoteOutputError, display_uri, s3_filesyste
 
 from .clients import grep_bytes, http_client
 from .procs import start_mitm
-from .s3 import ACCESS_KEY, SECRET_KEY, MotoS3, moto_s3, s3_env  # noqa: F401 - fixtures
+from .s3 import ACCESS_KEY, SECRET_KEY, MotoS3
 from .test_capture_e2e import SCENARIO
 
 
@@ -73,7 +73,7 @@ def test_bucket_and_prefix_become_the_root() -> None:
     assert root == "bucket"
 
 
-def test_a_dead_endpoint_fails_an_upload_fast(s3_env) -> None:  # noqa: F811
+def test_a_dead_endpoint_fails_an_upload_fast(s3_env) -> None:
     """The AWS client's default retries make a failed upload take seconds per attempt; the
     store retries by itself (rows stay in the journal), so one attempt must fail quickly."""
     server = MotoS3()
@@ -102,7 +102,7 @@ def _call(mitm, rollout: str) -> None:
 
 
 def test_s3_output_survives_an_outage_and_reads_back(
-    tmp_path: Path, confdir: Path, make_policy_server, moto_s3: MotoS3  # noqa: F811
+    tmp_path: Path, confdir: Path, make_policy_server, moto_s3: MotoS3
 ) -> None:
     fs = moto_s3.filesystem("polar-test")
     server = make_policy_server(SCENARIO)
@@ -119,7 +119,9 @@ def test_s3_output_survives_an_outage_and_reads_back(
     mitm.proc.wait_for("polar-mitm: writing to s3://polar-test/run")
 
     def in_bucket() -> set[str]:
-        return set(read_table("polar-test/run", "calls", filesystem=fs).column("rollout_id").to_pylist())
+        return set(
+            read_table("polar-test/run", "calls", filesystem=fs).column("rollout_id").to_pylist()
+        )
 
     for i in range(2):
         _call(mitm, f"s3.{i}")

@@ -2,7 +2,7 @@
 
 Writers and readers both import these schemas, so a column is added in one place. Bump
 `SCHEMA_VERSION` when a column changes meaning or type (adding a nullable column does not
-need a bump: readers fill it with nulls); the migration notes live in docs/schema.md.
+need a bump: readers fill it with nulls); the migration notes live in docs/store.md.
 """
 
 from __future__ import annotations

@@ -106,8 +106,7 @@ def resolve_output(
         fs, path = pafs.FileSystem.from_uri(text)
     except Exception as exc:
         raise ValueError(
-            f"{display_uri(text)} is not a path or a pyarrow filesystem URI: "
-            f"{type(exc).__name__}"
+            f"{display_uri(text)} is not a path or a pyarrow filesystem URI: {type(exc).__name__}"
         ) from None
     local = isinstance(fs, pafs.LocalFileSystem)
     return Location(fs, os.path.abspath(path) if local else path.rstrip("/"), local)
@@ -400,13 +399,12 @@ def shard_keys(location: Location, intents: list[tuple[str, str]]) -> dict[str, 
         if info.type != pafs.FileType.File:
             continue
         try:
-            table = pq.read_table(
-                path, columns=list(KEY_COLUMNS[dataset]), filesystem=location.fs
-            )
+            table = pq.read_table(path, columns=list(KEY_COLUMNS[dataset]), filesystem=location.fs)
         except (OSError, pa.ArrowException) as exc:
             log.warning("polar store: cannot read the keys of shard %s: %s", path, exc)
             continue
-        keys[dataset].update(zip(*(table.column(c).to_pylist() for c in table.column_names)))
+        columns = [table.column(c).to_pylist() for c in KEY_COLUMNS[dataset]]
+        keys[dataset].update(zip(*columns, strict=True))
     return keys
 
 

@@ -852,7 +852,9 @@ class Store:
                 with self._lock:
                     self._stats["shards_written"] += len(written)
                     self._stats["rows_in_shards"] += part.num_rows
-                    self._stats["last_shard"] = written[-1] if written else self._stats["last_shard"]
+                    self._stats["last_shard"] = (
+                        written[-1] if written else self._stats["last_shard"]
+                    )
             table = rest
 
     def _dead_letter(self, dataset: str, rejected: list[tuple[dict[str, Any], str]]) -> None:
