@@ -908,3 +908,15 @@ def test_journaled_is_false_when_the_store_closes_unstarted(out: Path) -> None:
     future = store.journaled(store.append("calls", call_row(0)))
     store.close()
     assert future.result(timeout=1) is False
+
+
+def test_a_journaled_future_given_up_on_does_not_disturb_the_journal(out: Path) -> None:
+    store = Store(out, flush_age_s=3600)
+    cancelled = store.journaled(store.append("calls", call_row(0)))
+    assert cancelled.cancel()  # what asyncio.wait_for + wrap_future do on a timeout
+    store.start()
+    assert store.sync(10) and store.stats["journal_failures"] == 0
+    later = store.journaled(store.append("calls", call_row(1)))
+    assert later.result(timeout=10) is True
+    store.close()
+    assert read_table(out, "calls").num_rows == 2

@@ -341,6 +341,7 @@ class Store:
             else:
                 heapq.heappush(self._waiters, (target, next(self._waiter_ids), future))
                 return future
+        future.set_running_or_notify_cancel()
         future.set_result(done)
         return future
 
@@ -353,7 +354,9 @@ class Store:
                 seq, _, future = heapq.heappop(self._waiters)
                 due.append((future, seq <= self._journaled_seq))
         for future, ok in due:
-            if not future.done():
+            # set_running_or_notify_cancel: False when the waiter gave up (an asyncio
+            # wrap_future cancels it), and from then on no other thread can cancel it
+            if future.set_running_or_notify_cancel():
                 future.set_result(ok)
 
     def sync(self, timeout: float | None = None) -> bool:
