@@ -25,7 +25,7 @@ import pytest
 from polar_mitm.store import list_shards, read_table
 
 from .clients import http_client
-from .procs import Mitm, start_mitm, start_policy_server
+from .procs import Mitm, start_policy_server
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 KILL_SCENARIO = {
@@ -118,7 +118,7 @@ async def _load(mitm: Mitm, iteration: int, kill_after: int) -> dict:
 
 
 def test_sigkill_mid_stream_then_restart_loses_no_completed_reply(
-    tmp_path: Path, confdir: Path, paced_server
+    tmp_path: Path, make_mitm, paced_server
 ) -> None:
     output = tmp_path / "data"
     rng = random.Random(7)
@@ -128,7 +128,7 @@ def test_sigkill_mid_stream_then_restart_loses_no_completed_reply(
     mid_stream = 0
     stats: list[tuple[int, int]] = []  # (in flight, mid-stream) at each kill
     for it in range(ITERATIONS):
-        mitm = start_mitm(tmp_path, confdir, paced_server.url, name=f"mitm{it}", **options)
+        mitm = make_mitm(paced_server.url, **options)
         report = mitm.proc.wait_for(r"polar-mitm: writing to \S+ \((.*)\)").group(1)
         if it:  # what the previous kill left is recovered before anything new is captured
             assert "journal" in report, report
@@ -146,7 +146,7 @@ def test_sigkill_mid_stream_then_restart_loses_no_completed_reply(
     print("calls in flight / mid-stream at each kill:", stats)
     assert mid_stream >= ITERATIONS, f"the kills seldom cut a reply mid-stream: {stats}"
 
-    last = start_mitm(tmp_path, confdir, paced_server.url, name="mitm-last", **options)
+    last = make_mitm(paced_server.url, **options)
     last.proc.wait_for(r"polar-mitm: writing to")
     assert last.stop() == 0, last.proc.output()
 
@@ -169,11 +169,11 @@ def test_sigkill_mid_stream_then_restart_loses_no_completed_reply(
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "truncated+garbage"])
 def test_corrupt_journal_tail_is_recovered_at_proxy_start(
-    tmp_path: Path, confdir: Path, paced_server, damage: str
+    tmp_path: Path, make_mitm, paced_server, damage: str
 ) -> None:
     output = tmp_path / "data"
     options = {"polar_output": output, "polar_flush_rows": 10_000, "polar_flush_seconds": 3600}
-    mitm = start_mitm(tmp_path, confdir, paced_server.url, name="before", **options)
+    mitm = make_mitm(paced_server.url, **options)
     mitm.proc.wait_for("polar-mitm: writing to")
     with http_client(mitm) as client:
         for i in range(5):
@@ -193,7 +193,7 @@ def test_corrupt_journal_tail_is_recovered_at_proxy_start(
         data += random.Random(3).randbytes(200)
     segment.write_bytes(data)
 
-    again = start_mitm(tmp_path, confdir, paced_server.url, name="after", **options)
+    again = make_mitm(paced_server.url, **options)
     report = again.proc.wait_for(r"polar-mitm: writing to \S+ \((.*)\)").group(1)
     log = again.proc.output()
     assert "damaged tail(s) skipped" in report and str(segment) in log, log

@@ -21,7 +21,6 @@ import pytest
 from polar_mitm.store import CALLS_SCHEMA, Store, list_shards, read_table
 
 from .clients import http_client
-from .procs import start_mitm
 from .s3 import MotoS3
 from .test_capture_e2e import SCENARIO
 
@@ -163,7 +162,7 @@ def test_ray_data_read_parquet(written: dict, ray_local) -> None:
 
 
 def test_many_proxies_one_bucket_and_a_ray_job_over_every_shard(
-    tmp_path: Path, confdir: Path, make_policy_server, moto_s3: MotoS3, ray_local
+    tmp_path: Path, make_mitm, make_policy_server, moto_s3: MotoS3, ray_local
 ) -> None:
     """Three proxies, one bucket prefix, a journal each: shard names carry the proxy id, so no
     proxy overwrites another's shard; a Ray Data job over all of them gives per-group figures."""
@@ -173,11 +172,8 @@ def test_many_proxies_one_bucket_and_a_ray_job_over_every_shard(
     server = make_policy_server(SCENARIO)
     uri = moto_s3.uri("polar-farm", "rl")
     proxies = [
-        start_mitm(
-            tmp_path,
-            confdir,
+        make_mitm(
             server.url,
-            name=f"proxy{k}",
             polar_output=uri,
             polar_journal=tmp_path / f"journal{k}",
             polar_flush_rows=2,
@@ -187,11 +183,8 @@ def test_many_proxies_one_bucket_and_a_ray_job_over_every_shard(
     for mitm in proxies:
         mitm.proc.wait_for("polar-mitm: writing to")
     # a fourth proxy on the first one's journal would corrupt it: refused at start-up, one line
-    intruder = start_mitm(
-        tmp_path,
-        confdir,
+    intruder = make_mitm(
         server.url,
-        name="intruder",
         polar_output=uri,
         polar_journal=tmp_path / "journal0",
     )

@@ -15,7 +15,6 @@ from pathlib import Path
 from polar_mitm.store import read_table
 
 from .clients import grep_bytes, http_client
-from .procs import start_mitm
 from .test_capture_e2e import SCENARIO
 
 SECRETS = {
@@ -31,12 +30,12 @@ SECRETS = {
 
 
 def test_no_secret_reaches_the_journal_the_shards_or_the_log(
-    tmp_path: Path, confdir: Path, make_policy_server
+    tmp_path: Path, make_mitm, make_policy_server
 ) -> None:
     server = make_policy_server(SCENARIO)
     output = tmp_path / "data"
     options = {"polar_output": output, "polar_flush_rows": 10_000, "polar_flush_seconds": 3600}
-    mitm = start_mitm(tmp_path, confdir, server.url, name="before", **options)
+    mitm = make_mitm(server.url, **options)
     mitm.proc.wait_for("polar-mitm: writing to")
     headers = {
         "authorization": f"Bearer {SECRETS['authorization']}",
@@ -66,7 +65,7 @@ def test_no_secret_reaches_the_journal_the_shards_or_the_log(
     assert grep_bytes(journal, ["redact.0", "say something harmless"]) != {}  # not vacuous
     assert grep_bytes(journal, list(SECRETS.values())) == {}
 
-    again = start_mitm(tmp_path, confdir, server.url, name="after", **options)
+    again = make_mitm(server.url, **options)
     again.proc.wait_for("polar-mitm: writing to")
     assert again.stop() == 0
     rows = read_table(output, "calls").to_pylist()

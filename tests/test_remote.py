@@ -18,7 +18,6 @@ from polar_mitm.store.journal import list_segments
 from polar_mitm.store.remote import RemoteOutputError, display_uri, s3_filesystem
 
 from .clients import grep_bytes, http_client
-from .procs import start_mitm
 from .s3 import ACCESS_KEY, SECRET_KEY, MotoS3
 from .test_capture_e2e import SCENARIO
 
@@ -102,14 +101,12 @@ def _call(mitm, rollout: str) -> None:
 
 
 def test_s3_output_survives_an_outage_and_reads_back(
-    tmp_path: Path, confdir: Path, make_policy_server, moto_s3: MotoS3
+    tmp_path: Path, make_mitm, make_policy_server, moto_s3: MotoS3
 ) -> None:
     fs = moto_s3.filesystem("polar-test")
     server = make_policy_server(SCENARIO)
     journal = tmp_path / "journal"
-    mitm = start_mitm(
-        tmp_path,
-        confdir,
+    mitm = make_mitm(
         server.url,
         polar_output=moto_s3.uri("polar-test", "run"),
         polar_journal=journal,
