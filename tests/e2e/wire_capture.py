@@ -94,6 +94,11 @@ class WireCapture:
     def load(self, loader) -> None:
         loader.add_option("wire_log", str, "wire.jsonl", "Where each request is appended as a JSON line.")
         loader.add_option("wire_plan", str, "", "JSON file: the scripted LLM turns per dialect.")
+        loader.add_option(
+            "wire_answer", bool, True,
+            "Answer requests (the recorder). Off: only log them, each with the status it finally "
+            "got, and leave answering to the addons loaded after this script (the e2e tests).",
+        )
 
     def _plan(self, dialect: str) -> list[dict[str, Any]]:
         if not ctx.options.wire_plan:
@@ -118,6 +123,13 @@ class WireCapture:
         entry = {"kind": "request", "method": req.method, "scheme": req.scheme, "host": req.host,
                  "port": req.port, "path": req.path, "http_version": req.http_version,
                  "headers": _redact(req.headers), "body": body}
+        if not ctx.options.wire_answer:
+            # Logged once the flow ends, with the status the next addons gave it.
+            with self.lock:
+                self.seq += 1
+                entry["order"] = self.seq
+            flow.metadata["wire_entry"] = entry
+            return
         websocket = req.headers.get("upgrade", "").lower() == "websocket"
         dialect = None
         if websocket:
@@ -147,6 +159,19 @@ class WireCapture:
             flow.response = getattr(self, "_" + dialect)(turn, stream, model)
         entry["status"] = flow.response.status_code if flow.response else None
         self._log(entry)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        entry = flow.metadata.pop("wire_entry", None)
+        if entry is not None:
+            entry["status"] = flow.response.status_code if flow.response else None
+            self._log(entry)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        entry = flow.metadata.pop("wire_entry", None)
+        if entry is not None:
+            entry["status"] = flow.response.status_code if flow.response else None
+            entry["error"] = flow.error.msg if flow.error else "error"
+            self._log(entry)
 
     # -- replies --------------------------------------------------------------------------------
 
