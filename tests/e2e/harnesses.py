@@ -92,7 +92,13 @@ HARNESSES: dict[str, Harness] = {
         key_variable="OPENAI_API_KEY",
         dialect="chat",
         argv=lambda bin_dir, prompt: [
-            str(bin_dir / "pi"), "--provider", "polar", "--model", PI_MODEL, "-p", prompt,
+            str(bin_dir / "pi"),
+            "--provider",
+            "polar",
+            "--model",
+            PI_MODEL,
+            "-p",
+            prompt,
         ],
         configure=_pi_configure,
     ),
@@ -103,8 +109,11 @@ HARNESSES: dict[str, Harness] = {
         key_variable="OPENAI_API_KEY",
         dialect="responses",
         argv=lambda bin_dir, prompt: [
-            str(bin_dir / "codex"), "exec", "--skip-git-repo-check",
-            "--dangerously-bypass-approvals-and-sandbox", prompt,
+            str(bin_dir / "codex"),
+            "exec",
+            "--skip-git-repo-check",
+            "--dangerously-bypass-approvals-and-sandbox",
+            prompt,
         ],
     ),
     "claude": Harness(
@@ -114,7 +123,10 @@ HARNESSES: dict[str, Harness] = {
         key_variable="ANTHROPIC_API_KEY",
         dialect="messages",
         argv=lambda bin_dir, prompt: [
-            str(bin_dir / "claude"), "-p", "--dangerously-skip-permissions", prompt,
+            str(bin_dir / "claude"),
+            "-p",
+            "--dangerously-skip-permissions",
+            prompt,
         ],
         # As root, --dangerously-skip-permissions is refused unless the harness is told it is
         # in a sandbox.
@@ -173,7 +185,9 @@ def run_harness(
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else e.stderr or ""
-        return HarnessResult(124, out, err + f"\n[timed out after {timeout} s]", timeout, work, home)
+        return HarnessResult(
+            124, out, err + f"\n[timed out after {timeout} s]", timeout, work, home
+        )
     return HarnessResult(r.returncode, r.stdout, r.stderr, time.monotonic() - started, work, home)
 
 

@@ -38,12 +38,18 @@ CODEX_EXEC_INPUT = (
 PLAN = {
     "responses": [{"custom": {"name": "exec", "input": CODEX_EXEC_INPUT}}, {"text": FINAL_TEXT}],
     "messages": [
-        {"tool": {"name": "Bash", "arguments": {"command": SHELL_COMMAND,
-                                                "description": "Create hello.txt"}}},
+        {
+            "tool": {
+                "name": "Bash",
+                "arguments": {"command": SHELL_COMMAND, "description": "Create hello.txt"},
+            }
+        },
         {"text": FINAL_TEXT},
     ],
-    "chat": [{"tool": {"name": "bash", "arguments": {"command": SHELL_COMMAND}}},
-             {"text": FINAL_TEXT}],
+    "chat": [
+        {"tool": {"name": "bash", "arguments": {"command": SHELL_COMMAND}}},
+        {"text": FINAL_TEXT},
+    ],
 }
 
 
@@ -69,10 +75,26 @@ def record(name: str, bin_dir: Path, out: Path) -> None:
         mitm = None
         try:
             port = free_port()
-            mitm = Proc([MITMDUMP, "-s", str(CAPTURE), "--listen-host", ns.host_ip,
-                         "--listen-port", str(port), "--set", f"confdir={tmp / 'certs'}",
-                         "--set", "connection_strategy=lazy", "--set", f"wire_log={log}",
-                         "--set", f"wire_plan={tmp / 'plan.json'}"], tmp / "mitm.log")
+            mitm = Proc(
+                [
+                    MITMDUMP,
+                    "-s",
+                    str(CAPTURE),
+                    "--listen-host",
+                    ns.host_ip,
+                    "--listen-port",
+                    str(port),
+                    "--set",
+                    f"confdir={tmp / 'certs'}",
+                    "--set",
+                    "connection_strategy=lazy",
+                    "--set",
+                    f"wire_log={log}",
+                    "--set",
+                    f"wire_plan={tmp / 'plan.json'}",
+                ],
+                tmp / "mitm.log",
+            )
             mitm.wait_for("proxy listening at", timeout=60)
             lines = "\n".join(env_lines(f"http://{ns.host_ip}:{port}", ca, f"record-{name}.0"))
             result = run_harness(harness, bin_dir, tmp, lines, f"polar-record-{name}.0", ns.wrap)
@@ -82,7 +104,11 @@ def record(name: str, bin_dir: Path, out: Path) -> None:
             ns.delete()
         print(f"{name}: rc={result.returncode} in {result.seconds:.1f} s", file=sys.stderr)
         print(result.stdout[-2000:], result.stderr[-3000:], sep="\n", file=sys.stderr)
-        paths = {str(result.home): "/home/agent", str(result.workdir): "/work", str(tmp): "/tmp/rec"}
+        paths = {
+            str(result.home): "/home/agent",
+            str(result.workdir): "/work",
+            str(tmp): "/tmp/rec",
+        }
         entries = [json.loads(line) for line in log.read_text().splitlines()]
     if out.exists():
         shutil.rmtree(out)
@@ -105,19 +131,23 @@ def record(name: str, bin_dir: Path, out: Path) -> None:
         (out / fname).write_text(json.dumps(e, indent=1, ensure_ascii=False) + "\n")
     (out / "sequence.txt").write_text(
         f"# {harness.package}@{harness.version}, recorded by tests/e2e/record_wire.py\n"
-        + "\n".join(sequence) + "\n"
+        + "\n".join(sequence)
+        + "\n"
     )
     (out / "harness-output.txt").write_text(
         f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n"
         + "\n".join(line for line in result.stderr.splitlines())
-        .replace(str(result.workdir), "/work").replace(str(result.home), "/home/agent")
+        .replace(str(result.workdir), "/work")
+        .replace(str(result.home), "/home/agent")
         + "\n"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"harnesses to record (default: all of {', '.join(HARNESSES)})")
+    parser.add_argument(
+        "names", nargs="*", help=f"harnesses to record (default: all of {', '.join(HARNESSES)})"
+    )
     parser.add_argument("--out", type=Path, default=FIXTURES)
     args = parser.parse_args()
     unknown = set(args.names) - set(HARNESSES)

@@ -124,7 +124,11 @@ def run_through_proxy(name, harness_bin, netns, tmp_path, confdir, make_policy_s
     )
     upstream = httpx.get(server.url + "/_polar/requests", timeout=10).json()
     assert mitm.stop() == 0, mitm.proc.output()
-    wire = [json.loads(line) for line in wire_log.read_text().splitlines()] if wire_log.exists() else []
+    wire = (
+        [json.loads(line) for line in wire_log.read_text().splitlines()]
+        if wire_log.exists()
+        else []
+    )
     wire = sorted((e for e in wire if e["kind"] == "request"), key=lambda e: e["order"])
     calls = sorted(read_table(str(mitm.output), "calls").to_pylist(), key=lambda r: r["started_at"])
     traces = read_table(str(mitm.output), "traces").to_pylist()
@@ -147,7 +151,8 @@ def test_real_harness(
     assert FINAL_TEXT in result.stdout, log
     noise = KNOWN_NOISE.get(name, [])
     errors = [
-        line for line in (result.stdout + "\n" + result.stderr).splitlines()
+        line
+        for line in (result.stdout + "\n" + result.stderr).splitlines()
         if API_ERROR.search(line) and not any(p.search(line) for p in noise)
     ]
     assert errors == [], log
@@ -164,7 +169,8 @@ def test_real_harness(
         websocket = (header(e, "upgrade") or "").lower() == "websocket"
         assert e["status"] == (426 if websocket else 404), e
     assert {(u["method"], u["path"]) for u in seen.upstream} <= {
-        ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
     }, seen.upstream
     upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
 
@@ -239,7 +245,9 @@ def test_the_namespace_has_no_way_out_but_the_proxy(netns, make_policy_server):
     )
     r = subprocess.run(
         netns.wrap([sys.executable, "-c", probe, str(port), netns.host_ip]),
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert r.returncode == 0, r.stderr
     public, loopback, host_end = r.stdout.split()

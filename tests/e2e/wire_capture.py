@@ -73,7 +73,11 @@ def _tool_results(dialect: str, body: dict[str, Any]) -> int:
         n = 0
         for m in body.get("messages") or []:
             if m.get("role") == "user" and isinstance(m.get("content"), list):
-                n += sum(1 for b in m["content"] if isinstance(b, dict) and b.get("type") == "tool_result")
+                n += sum(
+                    1
+                    for b in m["content"]
+                    if isinstance(b, dict) and b.get("type") == "tool_result"
+                )
         return n
     return sum(1 for m in body.get("messages") or [] if m.get("role") == "tool")
 
@@ -82,7 +86,10 @@ def _has_tools(dialect: str, body: dict[str, Any]) -> bool:
     if body.get("tools"):
         return True
     if dialect == "responses":
-        return any(isinstance(i, dict) and i.get("type") == "additional_tools" for i in body.get("input") or [])
+        return any(
+            isinstance(i, dict) and i.get("type") == "additional_tools"
+            for i in body.get("input") or []
+        )
     return False
 
 
@@ -92,10 +99,14 @@ class WireCapture:
         self.seq = 0
 
     def load(self, loader) -> None:
-        loader.add_option("wire_log", str, "wire.jsonl", "Where each request is appended as a JSON line.")
+        loader.add_option(
+            "wire_log", str, "wire.jsonl", "Where each request is appended as a JSON line."
+        )
         loader.add_option("wire_plan", str, "", "JSON file: the scripted LLM turns per dialect.")
         loader.add_option(
-            "wire_answer", bool, True,
+            "wire_answer",
+            bool,
+            True,
             "Answer requests (the recorder). Off: only log them, each with the status it finally "
             "got, and leave answering to the addons loaded after this script (the e2e tests).",
         )
@@ -113,16 +124,31 @@ class WireCapture:
                 f.write(json.dumps(entry) + "\n")
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        self._log({"kind": "connect", "method": "CONNECT", "host": flow.request.host,
-                   "port": flow.request.port, "headers": _redact(flow.request.headers)})
+        self._log(
+            {
+                "kind": "connect",
+                "method": "CONNECT",
+                "host": flow.request.host,
+                "port": flow.request.port,
+                "headers": _redact(flow.request.headers),
+            }
+        )
 
     def request(self, flow: http.HTTPFlow) -> None:
         req = flow.request
         body = _body(req.get_content(strict=False))
         path = req.path.partition("?")[0]
-        entry = {"kind": "request", "method": req.method, "scheme": req.scheme, "host": req.host,
-                 "port": req.port, "path": req.path, "http_version": req.http_version,
-                 "headers": _redact(req.headers), "body": body}
+        entry = {
+            "kind": "request",
+            "method": req.method,
+            "scheme": req.scheme,
+            "host": req.host,
+            "port": req.port,
+            "path": req.path,
+            "http_version": req.http_version,
+            "headers": _redact(req.headers),
+            "body": body,
+        }
         if not ctx.options.wire_answer:
             # Logged once the flow ends, with the status the next addons gave it.
             with self.lock:
@@ -133,17 +159,36 @@ class WireCapture:
         websocket = req.headers.get("upgrade", "").lower() == "websocket"
         dialect = None
         if websocket:
-            flow.response = http.Response.make(426, json.dumps({"error": {"message": "no websocket here", "type": "invalid_request_error"}}), {"content-type": "application/json"})
+            flow.response = http.Response.make(
+                426,
+                json.dumps(
+                    {"error": {"message": "no websocket here", "type": "invalid_request_error"}}
+                ),
+                {"content-type": "application/json"},
+            )
         elif req.method == "POST" and path.endswith("/responses"):
             dialect = "responses"
         elif req.method == "POST" and path.endswith("/messages/count_tokens"):
-            flow.response = http.Response.make(200, json.dumps({"input_tokens": 42}), {"content-type": "application/json"})
+            flow.response = http.Response.make(
+                200, json.dumps({"input_tokens": 42}), {"content-type": "application/json"}
+            )
         elif req.method == "POST" and path.endswith("/messages"):
             dialect = "messages"
         elif req.method == "POST" and path.endswith("/chat/completions"):
             dialect = "chat"
         else:
-            flow.response = http.Response.make(404, json.dumps({"error": {"message": f"wire_capture: {req.method} {path} not served", "type": "not_found_error"}}), {"content-type": "application/json"})
+            flow.response = http.Response.make(
+                404,
+                json.dumps(
+                    {
+                        "error": {
+                            "message": f"wire_capture: {req.method} {path} not served",
+                            "type": "not_found_error",
+                        }
+                    }
+                ),
+                {"content-type": "application/json"},
+            )
         if dialect is not None and isinstance(body, dict):
             turn_no = _tool_results(dialect, body)
             plan = self._plan(dialect)
@@ -179,22 +224,56 @@ class WireCapture:
         rid = "resp_" + uuid.uuid4().hex[:16]
         iid = uuid.uuid4().hex[:16]
         if "custom" in turn:
-            item = {"id": "ctc_" + iid, "type": "custom_tool_call", "status": "completed",
-                    "call_id": "call_" + iid, "name": turn["custom"]["name"], "input": turn["custom"]["input"]}
+            item = {
+                "id": "ctc_" + iid,
+                "type": "custom_tool_call",
+                "status": "completed",
+                "call_id": "call_" + iid,
+                "name": turn["custom"]["name"],
+                "input": turn["custom"]["input"],
+            }
         elif "tool" in turn:
-            item = {"id": "fc_" + iid, "type": "function_call", "status": "completed", "call_id": "call_" + iid,
-                    "name": turn["tool"]["name"], "arguments": json.dumps(turn["tool"]["arguments"])}
+            item = {
+                "id": "fc_" + iid,
+                "type": "function_call",
+                "status": "completed",
+                "call_id": "call_" + iid,
+                "name": turn["tool"]["name"],
+                "arguments": json.dumps(turn["tool"]["arguments"]),
+            }
         else:
-            item = {"id": "msg_" + iid, "type": "message", "status": "completed", "role": "assistant",
-                    "content": [{"type": "output_text", "text": turn["text"], "annotations": []}]}
-        usage = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 10,
-                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 110}
-        resp = {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
-                "status": "completed", "output": [item], "usage": usage}
+            item = {
+                "id": "msg_" + iid,
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": turn["text"], "annotations": []}],
+            }
+        usage = {
+            "input_tokens": 100,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 10,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 110,
+        }
+        resp = {
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": model,
+            "status": "completed",
+            "output": [item],
+            "usage": usage,
+        }
         if not stream:
             return http.Response.make(200, json.dumps(resp), {"content-type": "application/json"})
         started = {**resp, "status": "in_progress", "output": [], "usage": None}
-        events = [_sse("response.created", {"type": "response.created", "sequence_number": 0, "response": started})]
+        events = [
+            _sse(
+                "response.created",
+                {"type": "response.created", "sequence_number": 0, "response": started},
+            )
+        ]
         added = {**item, "status": "in_progress"}
         if item["type"] == "message":
             added["content"] = []
@@ -202,72 +281,268 @@ class WireCapture:
             added["input"] = ""
         else:
             added["arguments"] = ""
-        events.append(_sse("response.output_item.added", {"type": "response.output_item.added", "output_index": 0, "item": added}))
+        events.append(
+            _sse(
+                "response.output_item.added",
+                {"type": "response.output_item.added", "output_index": 0, "item": added},
+            )
+        )
         if item["type"] == "message":
             text = turn["text"]
-            events.append(_sse("response.content_part.added", {"type": "response.content_part.added", "item_id": item["id"], "output_index": 0, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}))
-            events.append(_sse("response.output_text.delta", {"type": "response.output_text.delta", "item_id": item["id"], "output_index": 0, "content_index": 0, "delta": text}))
-            events.append(_sse("response.output_text.done", {"type": "response.output_text.done", "item_id": item["id"], "output_index": 0, "content_index": 0, "text": text}))
-            events.append(_sse("response.content_part.done", {"type": "response.content_part.done", "item_id": item["id"], "output_index": 0, "content_index": 0, "part": item["content"][0]}))
+            events.append(
+                _sse(
+                    "response.content_part.added",
+                    {
+                        "type": "response.content_part.added",
+                        "item_id": item["id"],
+                        "output_index": 0,
+                        "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": []},
+                    },
+                )
+            )
+            events.append(
+                _sse(
+                    "response.output_text.delta",
+                    {
+                        "type": "response.output_text.delta",
+                        "item_id": item["id"],
+                        "output_index": 0,
+                        "content_index": 0,
+                        "delta": text,
+                    },
+                )
+            )
+            events.append(
+                _sse(
+                    "response.output_text.done",
+                    {
+                        "type": "response.output_text.done",
+                        "item_id": item["id"],
+                        "output_index": 0,
+                        "content_index": 0,
+                        "text": text,
+                    },
+                )
+            )
+            events.append(
+                _sse(
+                    "response.content_part.done",
+                    {
+                        "type": "response.content_part.done",
+                        "item_id": item["id"],
+                        "output_index": 0,
+                        "content_index": 0,
+                        "part": item["content"][0],
+                    },
+                )
+            )
         elif item["type"] == "custom_tool_call":
-            events.append(_sse("response.custom_tool_call_input.delta", {"type": "response.custom_tool_call_input.delta", "item_id": item["id"], "output_index": 0, "delta": item["input"]}))
-            events.append(_sse("response.custom_tool_call_input.done", {"type": "response.custom_tool_call_input.done", "item_id": item["id"], "output_index": 0, "input": item["input"]}))
+            events.append(
+                _sse(
+                    "response.custom_tool_call_input.delta",
+                    {
+                        "type": "response.custom_tool_call_input.delta",
+                        "item_id": item["id"],
+                        "output_index": 0,
+                        "delta": item["input"],
+                    },
+                )
+            )
+            events.append(
+                _sse(
+                    "response.custom_tool_call_input.done",
+                    {
+                        "type": "response.custom_tool_call_input.done",
+                        "item_id": item["id"],
+                        "output_index": 0,
+                        "input": item["input"],
+                    },
+                )
+            )
         else:
-            events.append(_sse("response.function_call_arguments.delta", {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": 0, "delta": item["arguments"]}))
-            events.append(_sse("response.function_call_arguments.done", {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": 0, "arguments": item["arguments"]}))
-        events.append(_sse("response.output_item.done", {"type": "response.output_item.done", "output_index": 0, "item": item}))
+            events.append(
+                _sse(
+                    "response.function_call_arguments.delta",
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": item["id"],
+                        "output_index": 0,
+                        "delta": item["arguments"],
+                    },
+                )
+            )
+            events.append(
+                _sse(
+                    "response.function_call_arguments.done",
+                    {
+                        "type": "response.function_call_arguments.done",
+                        "item_id": item["id"],
+                        "output_index": 0,
+                        "arguments": item["arguments"],
+                    },
+                )
+            )
+        events.append(
+            _sse(
+                "response.output_item.done",
+                {"type": "response.output_item.done", "output_index": 0, "item": item},
+            )
+        )
         events.append(_sse("response.completed", {"type": "response.completed", "response": resp}))
         return http.Response.make(200, b"".join(events), {"content-type": "text/event-stream"})
 
     def _messages(self, turn: dict[str, Any], stream: bool, model: str) -> http.Response:
         mid = "msg_" + uuid.uuid4().hex[:20]
         if "tool" in turn:
-            block = {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:20], "name": turn["tool"]["name"],
-                     "input": turn["tool"]["arguments"]}
+            block = {
+                "type": "tool_use",
+                "id": "toolu_" + uuid.uuid4().hex[:20],
+                "name": turn["tool"]["name"],
+                "input": turn["tool"]["arguments"],
+            }
             stop = "tool_use"
         else:
             block = {"type": "text", "text": turn["text"]}
             stop = "end_turn"
-        usage = {"input_tokens": 100, "output_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-        msg = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [block],
-               "stop_reason": stop, "stop_sequence": None, "usage": usage}
+        usage = {
+            "input_tokens": 100,
+            "output_tokens": 10,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+        msg = {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [block],
+            "stop_reason": stop,
+            "stop_sequence": None,
+            "usage": usage,
+        }
         if not stream:
             return http.Response.make(200, json.dumps(msg), {"content-type": "application/json"})
-        events = [_sse("message_start", {"type": "message_start", "message": {**msg, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}})]
+        events = [
+            _sse(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        **msg,
+                        "content": [],
+                        "stop_reason": None,
+                        "usage": {**usage, "output_tokens": 1},
+                    },
+                },
+            )
+        ]
         if block["type"] == "text":
-            events.append(_sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}))
+            events.append(
+                _sse(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": 0,
+                        "content_block": {"type": "text", "text": ""},
+                    },
+                )
+            )
             events.append(_sse("ping", {"type": "ping"}))
-            events.append(_sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": block["text"]}}))
+            events.append(
+                _sse(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {"type": "text_delta", "text": block["text"]},
+                    },
+                )
+            )
         else:
-            events.append(_sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {**block, "input": {}}}))
-            events.append(_sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}))
+            events.append(
+                _sse(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": 0,
+                        "content_block": {**block, "input": {}},
+                    },
+                )
+            )
+            events.append(
+                _sse(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(block["input"]),
+                        },
+                    },
+                )
+            )
         events.append(_sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
-        events.append(_sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None}, "usage": {"output_tokens": 10}}))
+        events.append(
+            _sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop, "stop_sequence": None},
+                    "usage": {"output_tokens": 10},
+                },
+            )
+        )
         events.append(_sse("message_stop", {"type": "message_stop"}))
         return http.Response.make(200, b"".join(events), {"content-type": "text/event-stream"})
 
     def _chat(self, turn: dict[str, Any], stream: bool, model: str) -> http.Response:
         cid = "chatcmpl-" + uuid.uuid4().hex[:20]
-        base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        base = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
         if "tool" in turn:
-            call = {"index": 0, "id": "call_" + uuid.uuid4().hex[:20], "type": "function",
-                    "function": {"name": turn["tool"]["name"], "arguments": json.dumps(turn["tool"]["arguments"])}}
-            delta, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+            call = {
+                "index": 0,
+                "id": "call_" + uuid.uuid4().hex[:20],
+                "type": "function",
+                "function": {
+                    "name": turn["tool"]["name"],
+                    "arguments": json.dumps(turn["tool"]["arguments"]),
+                },
+            }
+            delta, finish = (
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                "tool_calls",
+            )
         else:
             delta, finish = {"role": "assistant", "content": turn["text"]}, "stop"
         usage = {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}
         if not stream:
             message = {k: v for k, v in delta.items()}
             if "tool_calls" in message:
-                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in message["tool_calls"]]
-            body = {**base, "object": "chat.completion", "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
+                message["tool_calls"] = [
+                    {k: v for k, v in c.items() if k != "index"} for c in message["tool_calls"]
+                ]
+            body = {
+                **base,
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": usage,
+            }
             return http.Response.make(200, json.dumps(body), {"content-type": "application/json"})
         events = [
             _sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}),
             _sse(None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}),
             _sse(None, {**base, "choices": [], "usage": usage}),
         ]
-        return http.Response.make(200, b"".join(events) + b"data: [DONE]\n\n", {"content-type": "text/event-stream"})
+        return http.Response.make(
+            200, b"".join(events) + b"data: [DONE]\n\n", {"content-type": "text/event-stream"}
+        )
 
 
 addons = [WireCapture()]
