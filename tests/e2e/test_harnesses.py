@@ -28,6 +28,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
+from polar_mitm.addon import DEFAULT_HOSTS
 from polar_mitm.store import read_table
 
 from ..clients import grep_bytes
@@ -37,7 +38,7 @@ from .harnesses import FILE_NAME, FILE_TEXT, FINAL_TEXT, HARNESSES, run_harness
 SCENARIO = Path(__file__).parent / "scenarios" / "harnesses.json"
 WIRE_CAPTURE = Path(__file__).parent / "wire_capture.py"
 LLM_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/messages"}
-POLAR_HOSTS = {"api.openai.com", "api.anthropic.com", "chatgpt.com"}
+POLAR_HOSTS = set(DEFAULT_HOSTS.split(","))
 
 # How each harness is identified: Codex sends no API key (DESIGN.md), so its rollout id comes
 # from the proxy credentials; the others put theirs in the key.
