@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polar_mitm.sse import SSEParser
 from polar_mitm.addon import DEFAULT_HOSTS
+from polar_mitm.sse import SSEParser
 from polar_mitm.store import read_table
 
 from .clients import grep_bytes, http_client
@@ -28,11 +28,23 @@ LLM_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/messages"}
 POLAR_HOSTS = set(DEFAULT_HOSTS.split(","))
 # Not replayed: hop-by-hop and framing headers (httpx sets its own), the redacted credentials
 # (replaced by a polar- key), and HTTP/2 pseudo-headers.
-_DROP = {"host", "connection", "content-length", "accept-encoding", "transfer-encoding",
-         "proxy-connection", "keep-alive", "authorization", "x-api-key"}
+_DROP = {
+    "host",
+    "connection",
+    "content-length",
+    "accept-encoding",
+    "transfer-encoding",
+    "proxy-connection",
+    "keep-alive",
+    "authorization",
+    "x-api-key",
+}
 # The event that ends a successful stream, per dialect.
-_LAST_EVENT = {"/v1/chat/completions": "[DONE]", "/v1/responses": "response.completed",
-               "/v1/messages": "message_stop"}
+_LAST_EVENT = {
+    "/v1/chat/completions": "[DONE]",
+    "/v1/responses": "response.completed",
+    "/v1/messages": "message_stop",
+}
 
 
 def recorded(name: str) -> list[dict]:
@@ -46,7 +58,9 @@ def is_llm(entry: dict) -> bool:
 
 
 def replay_headers(entry: dict, key: str) -> dict[str, str]:
-    headers = {k: v for k, v in entry["headers"] if k.lower() not in _DROP and not k.startswith(":")}
+    headers = {
+        k: v for k, v in entry["headers"] if k.lower() not in _DROP and not k.startswith(":")
+    }
     if any(k.lower() == "x-api-key" for k, _ in entry["headers"]):
         headers["x-api-key"] = key
     elif any(k.lower() == "authorization" for k, _ in entry["headers"]):
@@ -97,9 +111,10 @@ def test_recorded_llm_requests_are_served_and_captured(name, make_policy_server,
             r = send(client, entry, key)
             assert r.status_code == 200, r.text[:2000]
             assert r.headers["content-type"].startswith("text/event-stream")
-            assert last_event(entry["path"].partition("?")[0], r.content) == _LAST_EVENT[
-                entry["path"].partition("?")[0]
-            ]
+            assert (
+                last_event(entry["path"].partition("?")[0], r.content)
+                == _LAST_EVENT[entry["path"].partition("?")[0]]
+            )
     assert mitm.stop() == 0
     rows = sorted(read_table(str(mitm.output), "calls").to_pylist(), key=lambda r: r["started_at"])
     assert [r["status"] for r in rows] == ["completed", "completed"], [r["error"] for r in rows]
@@ -130,7 +145,9 @@ def test_recorded_side_requests_are_answered_locally(name, make_policy_server, m
     with http_client(mitm) as client:
         for entry in side:
             r = send(client, entry, f"polar-replay-{name}.0")
-            websocket = any(k.lower() == "upgrade" and v == "websocket" for k, v in entry["headers"])
+            websocket = any(
+                k.lower() == "upgrade" and v == "websocket" for k, v in entry["headers"]
+            )
             assert r.status_code == (426 if websocket else 404), (entry["path"], r.text)
             error = r.json()["error"]
             assert "polar-mitm" in error["message"] and error["type"]

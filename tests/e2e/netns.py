@@ -65,6 +65,8 @@ def create_netns(tag: str) -> Netns:
     short = f"{os.getpid() % 100000}{tag[:3]}"
     host_if, ns_if = f"ph{short}"[:15], f"pn{short}"[:15]
     ns = Netns(name, index)
+    ns.delete()  # one left behind by a run of the same pid that was killed
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
     try:
         _ip("netns", "add", name)
         _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
