@@ -75,7 +75,7 @@ def send(client: httpx.Client, entry: dict, key: str) -> httpx.Response:
     return client.request(entry["method"], url, content=content, headers=replay_headers(entry, key))
 
 
-def last_event(path: str, raw: bytes) -> str:
+def last_event(raw: bytes) -> str:
     events = SSEParser().feed(raw)
     assert events, raw[:500]
     last = events[-1]
@@ -111,10 +111,7 @@ def test_recorded_llm_requests_are_served_and_captured(name, make_policy_server,
             r = send(client, entry, key)
             assert r.status_code == 200, r.text[:2000]
             assert r.headers["content-type"].startswith("text/event-stream")
-            assert (
-                last_event(entry["path"].partition("?")[0], r.content)
-                == _LAST_EVENT[entry["path"].partition("?")[0]]
-            )
+            assert last_event(r.content) == _LAST_EVENT[entry["path"].partition("?")[0]]
     assert mitm.stop() == 0
     rows = sorted(read_table(str(mitm.output), "calls").to_pylist(), key=lambda r: r["started_at"])
     assert [r["status"] for r in rows] == ["completed", "completed"], [r["error"] for r in rows]
