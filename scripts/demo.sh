@@ -53,9 +53,12 @@ wait_for "$LOGS/policy.log" "listening on" 120
 UPSTREAM="$(grep -o 'http://[0-9.:]*' "$LOGS/policy.log" | head -1)"
 
 PORT="$(free_port)"
+# The trainer's token for the control plane (ending the rollout with a reward); never on disk.
+export POLAR_DEMO_CONTROL_TOKEN="$(python -c 'import secrets; print(secrets.token_hex(16))')"
 echo "== starting mitmdump -s addons/polar.py on 127.0.0.1:$PORT -> $UPSTREAM"
 mitmdump -s addons/polar.py --listen-host 127.0.0.1 --listen-port "$PORT" \
     --set confdir=certs --set polar_upstream="$UPSTREAM" --set polar_output="$OUT/data" \
+    --set polar_control_token="$POLAR_DEMO_CONTROL_TOKEN" \
     >"$LOGS/mitmdump.log" 2>&1 &
 MITM=$!
 PIDS+=($MITM)
@@ -78,7 +81,10 @@ JSON
     (cd "$WORK" && env -i PATH="/usr/local/bin:/usr/bin:/bin" HOME="$PI_HOME" TERM=dumb bash -c \
         'eval "$1"; export OPENAI_API_KEY=polar-demo-task.0; exec "$2" --provider polar --model gpt-4.1-mini -p "$3" </dev/null' \
         _ "$ENV_LINES" "$HARNESS_BIN/pi" "$PROMPT") | sed 's/^/   pi> /'
-    echo "== $WORK/hello.txt (written by Pi's bash tool): $(cat "$WORK/hello.txt")"
+    echo "== $WORK/hello.txt (written by Pi's bash tool): $(cat "$WORK/hello.txt" 2>/dev/null)"
+    # The task's check, as a trainer would score the workdir.
+    REWARD=0.0
+    [ "$(cat "$WORK/hello.txt" 2>/dev/null)" = "polar was here" ] && REWARD=1.0
 else
     echo "== running an openai-SDK tool-calling session against https://api.openai.com/v1"
     (
@@ -86,17 +92,24 @@ else
         export OPENAI_API_KEY="polar-demo-task.0"
         python scripts/demo_session.py
     )
+    REWARD=1.0  # the session ran to its answer
 fi
+
+echo "== ending rollout demo-task.0 with reward $REWARD (control plane, through the proxy)"
+python - "http://127.0.0.1:$PORT" "$REWARD" <<'PY'
+import os, sys
+from polar_mitm.control import ControlClient
+client = ControlClient(os.environ["POLAR_DEMO_CONTROL_TOKEN"], proxy=sys.argv[1])
+s = client.end("demo-task.0", reward=float(sys.argv[2]))
+print(f"   {s['rollout_id']}: {s['status']}, reward {s['reward']}, {s['calls']} calls, "
+      f"{s['traces']} trace(s), {s['policy_tokens']} policy tokens, trainable {s['trainable']}")
+PY
 
 kill -INT "$MITM"; wait "$MITM" || true
 echo "== captured under $OUT/data"
 polar-mitm summary "$OUT/data"
-# `polar-mitm show` (the CLI issue) prints a trace; older checkouts do not have it yet.
+# `polar-mitm show DIR ROLLOUT` (the CLI issue) prints a trace; a checkout without it skips this.
 if polar-mitm show --help >/dev/null 2>&1; then
     echo "== the main trace of demo-task.0 (polar-mitm show)"
-    if polar-mitm show --help | grep -q -- "--rollout"; then
-        polar-mitm show "$OUT/data" --rollout demo-task.0 || echo "   (polar-mitm show failed)"
-    else
-        polar-mitm show "$OUT/data" || echo "   (polar-mitm show failed)"
-    fi
+    PAGER=cat polar-mitm show "$OUT/data" demo-task.0 </dev/null | cat || echo "   (polar-mitm show failed)"
 fi

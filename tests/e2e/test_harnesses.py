@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 
 from polar_mitm.addon import DEFAULT_HOSTS
 from polar_mitm.assets import qwen3_tokenizer_dir
+from polar_mitm.control import ControlClient
 from polar_mitm.store import read_table
 
 from ..clients import grep_bytes
@@ -47,6 +48,14 @@ ROLLOUTS = {
     "codex": ("harness-codex.1", "proxy_auth"),
     "claude": ("harness-claude.2", "api_key"),
 }
+# How each rollout ends: through the control plane with a reward (what a trainer does once it has
+# scored the workdir), or, left open, at proxy shutdown as `incomplete`. Both paths are run.
+REWARD = 1.0
+ENDED_BY = {"pi": "shutdown", "codex": "control", "claude": "control"}
+CONTROL_TOKEN = "e2e-control-token"
+# vLLM's refusal of an output cap that does not fit beside the prompt (Claude Code asks 128000):
+# the proxy sends the call once more without the cap (docs/dialects.md, "The output cap").
+CAP_REFUSED = re.compile(r"max_tokens' or 'max_completion_tokens' is too large")
 # Log lines that are expected and are not API errors.
 KNOWN_NOISE = {
     # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.
@@ -70,6 +79,7 @@ class Observed:
     calls: list[dict]
     traces: list[dict]
     output: Path  # polar_output
+    ended: dict | None  # the control plane's answer to ending the rollout, if it was ended so
 
 
 def polar_env(proxy: str, confdir: Path, rollout: str | None) -> str:
@@ -99,12 +109,31 @@ def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def truth(server_url: str, body: dict) -> dict:
+def ask(server_url: str, body: dict) -> httpx.Response:
     """What the policy server answers to exactly this upstream body, asked directly (no proxy)."""
     body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    r = httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
-    r.raise_for_status()
-    return r.json()
+    return httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def served_requests(server_url: str, upstream_chat: list[dict]) -> list[dict]:
+    """The upstream requests that produced a reply, one per call: a request the server refused
+    for its output cap must be followed by the same body without the cap (the proxy's retry)."""
+    served: list[dict] = []
+    refused: dict | None = None
+    for entry in upstream_chat:
+        r = ask(server_url, entry["body"])
+        if r.status_code == 400 and CAP_REFUSED.search(r.text):
+            assert refused is None, "two refusals in a row: the retry kept the cap"
+            refused = entry["body"]
+            continue
+        assert r.status_code == 200, r.text
+        if refused is not None:
+            without = {k: v for k, v in refused.items() if k not in ("max_tokens", "max_completion_tokens")}
+            assert entry["body"] == without, "the retry changed more than the cap"
+            refused = None
+        served.append({**entry, "answer": r.json()})
+    assert refused is None, "a refused call was not retried"
+    return served
 
 
 def run_through_proxy(name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm):
@@ -118,12 +147,17 @@ def run_through_proxy(name, harness_bin, netns, tmp_path, confdir, make_policy_s
         scripts_before=[WIRE_CAPTURE],
         wire_answer="false",
         wire_log=str(wire_log),
+        polar_control_token=CONTROL_TOKEN,
     )
     env_lines = polar_env(mitm.url, confdir, rollout if source == "proxy_auth" else None)
     result = run_harness(
         harness, harness_bin, tmp_path, env_lines, f"polar-{rollout}", wrap=netns.wrap
     )
     upstream = httpx.get(server.url + "/_polar/requests", timeout=10).json()
+    ended = None
+    if ENDED_BY[name] == "control" and result.returncode == 0:
+        # The trainer's side: the harness is done, the workdir scored, the rollout ended.
+        ended = ControlClient(CONTROL_TOKEN, proxy=mitm.url).end(rollout, reward=REWARD)
     assert mitm.stop() == 0, mitm.proc.output()
     wire = (
         [json.loads(line) for line in wire_log.read_text().splitlines()]
@@ -133,7 +167,7 @@ def run_through_proxy(name, harness_bin, netns, tmp_path, confdir, make_policy_s
     wire = sorted((e for e in wire if e["kind"] == "request"), key=lambda e: e["order"])
     calls = sorted(read_table(str(mitm.output), "calls").to_pylist(), key=lambda r: r["started_at"])
     traces = read_table(str(mitm.output), "traces").to_pylist()
-    return result, Observed(wire, upstream, calls, traces, mitm.output), server
+    return result, Observed(wire, upstream, calls, traces, mitm.output, ended), server
 
 
 @pytest.mark.slow
@@ -176,14 +210,18 @@ def test_real_harness(
     upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
 
     # calls/: one row per LLM request, in order, with exact ids.
-    assert len(seen.calls) == len(llm) == len(upstream_chat), (seen.calls, llm)
-    for row, sent, asked in zip(seen.calls, llm, upstream_chat, strict=True):
+    served = served_requests(server.url, upstream_chat)
+    assert len(seen.calls) == len(llm) == len(served), (seen.calls, llm)
+    retried = len(upstream_chat) - len(served)
+    notes = [n for row in seen.calls for n in row["translation_notes"] or [] if "dropped" in n]
+    assert len([n for n in notes if "exceeds the model's context" in n]) == retried, notes
+    for row, sent, asked in zip(seen.calls, llm, served, strict=True):
         assert row["status"] == "completed", row["error"]
         assert row["rollout_id"] == rollout and row["rollout_source"] == source
         assert row["host"] == sent["host"] and row["path"] == sent["path"].partition("?")[0]
         assert row["model_served"] == "Qwen/Qwen3-4B"
         assert row["model_requested"] == sent["body"]["model"]
-        want = truth(server.url, asked["body"])
+        want = asked["answer"]
         assert row["prompt_token_ids"] == want["prompt_token_ids"]
         assert row["output_token_ids"] == want["choices"][0]["token_ids"]
         lps = [e["logprob"] for e in want["choices"][0]["logprobs"]["content"]]
@@ -199,6 +237,14 @@ def test_real_harness(
     assert len(mains) == 1, [(t["role"], t["call_ids"], t["break_reason"]) for t in seen.traces]
     trace = mains[0]
     assert trace["call_ids"] == [r["call_id"] for r in main_calls]
+    assert trace["trainable"] is True, trace["untrainable_reason"]
+    if ENDED_BY[name] == "control":
+        # Ended by the trainer with a reward: the trace carries it and is complete.
+        assert seen.ended is not None and seen.ended["reward"] == REWARD, seen.ended
+        assert (trace["status"], trace["reward"]) == ("completed", REWARD)
+    else:
+        # Still open when the proxy stopped: written at shutdown, incomplete, no reward.
+        assert (trace["status"], trace["reward"]) == ("incomplete", None)
     first, last = main_calls
     ids, mask, lps = trace["input_ids"], trace["loss_mask"], trace["logprobs"]
     assert ids == last["prompt_token_ids"] + last["output_token_ids"]
@@ -227,6 +273,9 @@ def test_real_harness(
         assert header(llm[0], "authorization") is None  # no key on the wire: proxy credentials
         assert seen.calls[0]["session_id"] == header(llm[0], "session-id")
     if name == "claude":
+        # max_tokens 128000 does not fit beside the prompt in the policy's 131072 context: each
+        # call was refused once upstream and sent again without the cap.
+        assert retried == len(seen.calls), (retried, notes)
         assert seen.calls[0]["session_id"] == header(llm[0], "x-claude-code-session-id")
 
 
