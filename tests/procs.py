@@ -168,8 +168,14 @@ def start_mitm(
     args = [MITMDUMP]
     for script in scripts_before:
         args += ["-s", str(script)]
-    args += ["-s", str(ROOT / "addons" / "polar.py"), "--listen-host", listen_host,
-             "--listen-port", str(port)]
+    args += [
+        "-s",
+        str(ROOT / "addons" / "polar.py"),
+        "--listen-host",
+        listen_host,
+        "--listen-port",
+        str(port),
+    ]
     for key, value in opts.items():
         args += ["--set", f"{key}={value}"]
     proc = Proc(args, tmp / f"{name}.log")

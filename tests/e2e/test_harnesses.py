@@ -128,7 +128,9 @@ def served_requests(server_url: str, upstream_chat: list[dict]) -> list[dict]:
             continue
         assert r.status_code == 200, r.text
         if refused is not None:
-            without = {k: v for k, v in refused.items() if k not in ("max_tokens", "max_completion_tokens")}
+            without = {
+                k: v for k, v in refused.items() if k not in ("max_tokens", "max_completion_tokens")
+            }
             assert entry["body"] == without, "the retry changed more than the cap"
             refused = None
         served.append({**entry, "answer": r.json()})
