@@ -51,7 +51,9 @@ from .trajectory import ALLOW_CHOICES
 from .upstream import UPSTREAMS, Upstream, kind_from_models
 
 log = logging.getLogger("polar_mitm")
-DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,chatgpt.com"
+# ab.chatgpt.com is Codex's telemetry (OpenTelemetry metrics, docs/harness-wire-notes.md): it has
+# no LLM endpoint, so listing it answers all of it locally and no rollout leaks telemetry.
+DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,chatgpt.com,ab.chatgpt.com"
 _RAW_BODY_LIMIT = 1 << 20
 # A harness (or a test) may say what a call is for; anything but "main" is a side call.
 PURPOSE_HEADER = "x-polar-purpose"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole capture path on this machine, no GPU: the reference policy server (vLLM wire format,
 # real Qwen3 tokenizer), mitmdump with the addon, a real multi-turn tool-calling session through
-# HTTPS_PROXY with the generated CA, then the summary of what was captured.
+# HTTPS_PROXY with the generated CA, then the summary of what was captured and its main trace.
+# The session is a real harness, Pi (the pinned npm package, unmodified), when Node.js and npm
+# are here; otherwise an openai-SDK session (scripts/demo_session.py). POLAR_DEMO_SESSION=sdk
+# forces the SDK session.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_python.sh
@@ -26,16 +29,36 @@ wait_for() {  # wait_for FILE PATTERN SECONDS
 }
 free_port() { python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
+SESSION="${POLAR_DEMO_SESSION:-}"
+if [ -z "$SESSION" ]; then
+    SESSION=sdk
+    if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then
+        echo "== installing the pinned harnesses (scripts/install_harnesses.sh)"
+        if HARNESS_BIN="$(./scripts/install_harnesses.sh)"; then
+            SESSION=pi
+        else
+            echo "   (could not install them: the demo uses the openai-SDK session instead)"
+        fi
+    fi
+elif [ "$SESSION" = pi ]; then
+    HARNESS_BIN="$(./scripts/install_harnesses.sh)"
+fi
+SCENARIO_ARGS=()
+[ "$SESSION" = pi ] && SCENARIO_ARGS=(--scenario tests/e2e/scenarios/harnesses.json)
+
 echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
-polar-mitm policy-server --port 0 >"$LOGS/policy.log" 2>&1 &
+polar-mitm policy-server --port 0 "${SCENARIO_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
 PIDS+=($!)
 wait_for "$LOGS/policy.log" "listening on" 120
 UPSTREAM="$(grep -o 'http://[0-9.:]*' "$LOGS/policy.log" | head -1)"
 
 PORT="$(free_port)"
+# The trainer's token for the control plane (ending the rollout with a reward); never on disk.
+export POLAR_DEMO_CONTROL_TOKEN="$(python -c 'import secrets; print(secrets.token_hex(16))')"
 echo "== starting mitmdump -s addons/polar.py on 127.0.0.1:$PORT -> $UPSTREAM"
 mitmdump -s addons/polar.py --listen-host 127.0.0.1 --listen-port "$PORT" \
     --set confdir=certs --set polar_upstream="$UPSTREAM" --set polar_output="$OUT/data" \
+    --set polar_control_token="$POLAR_DEMO_CONTROL_TOKEN" \
     >"$LOGS/mitmdump.log" 2>&1 &
 MITM=$!
 PIDS+=($MITM)
@@ -44,13 +67,49 @@ wait_for "$LOGS/mitmdump.log" "polar-mitm: capturing" 60
 echo "== harness environment (polar-mitm env --proxy http://127.0.0.1:$PORT --rollout demo-task.0)"
 ENV_LINES="$(polar-mitm env --proxy "http://127.0.0.1:$PORT" --rollout demo-task.0)"
 echo "$ENV_LINES" | sed 's/^/   /'
-echo "== running an openai-SDK tool-calling session against https://api.openai.com/v1"
-(
-    eval "$ENV_LINES"
-    export OPENAI_API_KEY="polar-demo-task.0"
-    python scripts/demo_session.py
-)
+if [ "$SESSION" = pi ]; then
+    # Pi as a rollout container would run it: its own HOME (models.json names the key variable),
+    # a scratch workdir, and no environment but PATH, the lines above and the API key.
+    PI_HOME="$OUT/pi-home"; WORK="$OUT/work"
+    mkdir -p "$PI_HOME/.pi/agent" "$WORK"
+    cat >"$PI_HOME/.pi/agent/models.json" <<'JSON'
+{"providers": {"polar": {"baseUrl": "https://api.openai.com/v1", "api": "openai-completions",
+                         "apiKey": "OPENAI_API_KEY", "models": [{"id": "gpt-4.1-mini"}]}}}
+JSON
+    PROMPT="Create a file named hello.txt containing exactly the text: polar was here"
+    echo "== running Pi $("$HARNESS_BIN/pi" --version 2>&1) (unmodified): pi --provider polar --model gpt-4.1-mini -p \"$PROMPT\""
+    (cd "$WORK" && env -i PATH="/usr/local/bin:/usr/bin:/bin" HOME="$PI_HOME" TERM=dumb bash -c \
+        'eval "$1"; export OPENAI_API_KEY=polar-demo-task.0; exec "$2" --provider polar --model gpt-4.1-mini -p "$3" </dev/null' \
+        _ "$ENV_LINES" "$HARNESS_BIN/pi" "$PROMPT") | sed 's/^/   pi> /'
+    echo "== $WORK/hello.txt (written by Pi's bash tool): $(cat "$WORK/hello.txt" 2>/dev/null)"
+    # The task's check, as a trainer would score the workdir.
+    REWARD=0.0
+    [ "$(cat "$WORK/hello.txt" 2>/dev/null)" = "polar was here" ] && REWARD=1.0
+else
+    echo "== running an openai-SDK tool-calling session against https://api.openai.com/v1"
+    (
+        eval "$ENV_LINES"
+        export OPENAI_API_KEY="polar-demo-task.0"
+        python scripts/demo_session.py
+    )
+    REWARD=1.0  # the session ran to its answer
+fi
+
+echo "== ending rollout demo-task.0 with reward $REWARD (control plane, through the proxy)"
+python - "http://127.0.0.1:$PORT" "$REWARD" <<'PY'
+import os, sys
+from polar_mitm.control import ControlClient
+client = ControlClient(os.environ["POLAR_DEMO_CONTROL_TOKEN"], proxy=sys.argv[1])
+s = client.end("demo-task.0", reward=float(sys.argv[2]))
+print(f"   {s['rollout_id']}: {s['status']}, reward {s['reward']}, {s['calls']} calls, "
+      f"{s['traces']} trace(s), {s['policy_tokens']} policy tokens, trainable {s['trainable']}")
+PY
 
 kill -INT "$MITM"; wait "$MITM" || true
 echo "== captured under $OUT/data"
 polar-mitm summary "$OUT/data"
+# `polar-mitm show DIR ROLLOUT` (the CLI issue) prints a trace; a checkout without it skips this.
+if polar-mitm show --help >/dev/null 2>&1; then
+    echo "== the main trace of demo-task.0 (polar-mitm show)"
+    PAGER=cat polar-mitm show "$OUT/data" demo-task.0 </dev/null | cat || echo "   (polar-mitm show failed)"
+fi

@@ -131,25 +131,34 @@ class Mitm:
     confdir: Path
     output: Path | str
     options: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def ca(self) -> Path:
         return self.confdir / "mitmproxy-ca-cert.pem"
 
     def proxy(self, user: str | None = None, password: str = "pw") -> str:
-        return f"http://{user}:{password}@127.0.0.1:{self.port}" if user else self.url
+        return f"http://{user}:{password}@{self.host}:{self.port}" if user else self.url
 
     def stop(self, sig: int = signal.SIGINT) -> int:
         return self.proc.stop(sig)
 
 
 def start_mitm(
-    tmp: Path, confdir: Path, upstream: str | None, name: str = "mitm", **options: object
+    tmp: Path,
+    confdir: Path,
+    upstream: str | None,
+    name: str = "mitm",
+    listen_host: str = "127.0.0.1",
+    scripts_before: Iterable[Path] = (),
+    **options: object,
 ) -> Mitm:
+    """mitmdump with addons/polar.py; `scripts_before` are loaded ahead of it (their hooks see
+    each flow first), `listen_host` is for a harness in a network namespace."""
     port = free_port()
     raw = str(options.pop("polar_output", tmp / f"{name}-data"))
     output = raw if "://" in raw else Path(raw)  # a URI (s3://…) is not a path
@@ -157,11 +166,20 @@ def start_mitm(
     if upstream is not None:
         opts["polar_upstream"] = upstream
     opts.update({k: str(v) for k, v in options.items()})
-    args = [MITMDUMP, "-s", str(ROOT / "addons" / "polar.py"), "--listen-host", "127.0.0.1",
-            "--listen-port", str(port)]
+    args = [MITMDUMP]
+    for script in scripts_before:
+        args += ["-s", str(script)]
+    args += [
+        "-s",
+        str(ROOT / "addons" / "polar.py"),
+        "--listen-host",
+        listen_host,
+        "--listen-port",
+        str(port),
+    ]
     for key, value in opts.items():
         args += ["--set", f"{key}={value}"]
     proc = Proc(args, tmp / f"{name}.log")
     proc.wait_for(r"proxy listening at", timeout=60)
     proc.wait_for(r"polar-mitm: capturing", timeout=30)
-    return Mitm(proc, port, confdir, output, opts)
+    return Mitm(proc, port, confdir, output, opts, listen_host)

@@ -1,0 +1,308 @@
+"""The real harnesses, unmodified, through real mitmdump with the addon, to the policy server.
+
+Each harness (the npm binary pinned in tests/e2e/npm/) runs non-interactively in a temp workdir,
+inside a network namespace whose only way out is the proxy, with nothing but the environment
+`polar-mitm env` prints plus an API key `polar-<rollout id>`. The reference policy server plays a
+scenario that calls the harness's own shell tool (the names and schemas recorded in
+docs/harness-wire-notes.md) to create hello.txt, reads the tool result, and answers with text.
+
+What is checked: the harness exits 0 with the scripted answer and no API error; the file exists
+(the tool really ran); `calls/` has one row per LLM request the harness made, with the token ids
+the server really produced; `traces/` has one main trace with the tool result as mask-0 tokens
+between two mask-1 spans; other paths were answered locally and never reached the policy.
+The stand-alone wire_capture.py, loaded before the addon in log-only mode, is the independent
+record of what the harness sent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from polar_mitm.addon import DEFAULT_HOSTS
+from polar_mitm.assets import qwen3_tokenizer_dir
+from polar_mitm.control import ControlClient
+from polar_mitm.store import read_table
+
+from ..clients import grep_bytes
+from ..procs import BIN
+from .harnesses import FILE_NAME, FILE_TEXT, FINAL_TEXT, HARNESSES, run_harness
+
+SCENARIO = Path(__file__).parent / "scenarios" / "harnesses.json"
+WIRE_CAPTURE = Path(__file__).parent / "wire_capture.py"
+LLM_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/messages"}
+POLAR_HOSTS = set(DEFAULT_HOSTS.split(","))
+
+# How each harness is identified: Codex sends no API key (DESIGN.md), so its rollout id comes
+# from the proxy credentials; the others put theirs in the key.
+ROLLOUTS = {
+    "pi": ("harness-pi.0", "api_key"),
+    "codex": ("harness-codex.1", "proxy_auth"),
+    "claude": ("harness-claude.2", "api_key"),
+}
+# How each rollout ends: through the control plane with a reward (what a trainer does once it has
+# scored the workdir), or, left open, at proxy shutdown as `incomplete`. Both paths are run.
+REWARD = 1.0
+ENDED_BY = {"pi": "shutdown", "codex": "control", "claude": "control"}
+CONTROL_TOKEN = "e2e-control-token"
+# vLLM's refusal of an output cap that does not fit beside the prompt (Claude Code asks 128000):
+# the proxy sends the call once more without the cap (docs/dialects.md, "The output cap").
+CAP_REFUSED = re.compile(r"max_tokens' or 'max_completion_tokens' is too large")
+# Log lines that are expected and are not API errors.
+KNOWN_NOISE = {
+    # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.
+    "codex": [re.compile(r"ERROR codex_api::endpoint::responses_websocket: failed to connect")],
+}
+API_ERROR = re.compile(
+    r"(?i)(api error|error:|\berror\b.*\b[45]\d\d\b|\b[45]\d\d\b.*\berror\b|stream (error|disconnected)"
+    r"|unexpected status|invalid_request|server_error|reconnecting)"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+
+
+@dataclass
+class Observed:
+    wire: list[dict]  # every request the harness sent, as the proxy's first addon saw it
+    upstream: list[dict]  # every request the policy server received
+    calls: list[dict]
+    traces: list[dict]
+    output: Path  # polar_output
+    ended: dict | None  # the control plane's answer to ending the rollout, if it was ended so
+
+
+def polar_env(proxy: str, confdir: Path, rollout: str | None) -> str:
+    args = [str(BIN / "polar-mitm"), "env", "--proxy", proxy, "--confdir", str(confdir)]
+    if rollout:
+        args += ["--rollout", rollout]
+    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+
+
+def is_llm_request(entry: dict) -> bool:
+    path = entry["path"].partition("?")[0]
+    return entry["method"] == "POST" and entry["host"] in POLAR_HOSTS and path in LLM_ENDPOINTS
+
+
+def header(entry: dict, name: str) -> str | None:
+    return next((v for k, v in entry["headers"] if k.lower() == name), None)
+
+
+def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal values."""
+    runs: list[tuple[int, int, int]] = []
+    for i, v in enumerate(mask):
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1], i + 1)
+        else:
+            runs.append((v, i, i + 1))
+    return runs
+
+
+def ask(server_url: str, body: dict) -> httpx.Response:
+    """What the policy server answers to exactly this upstream body, asked directly (no proxy)."""
+    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    return httpx.post(server_url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def served_requests(server_url: str, upstream_chat: list[dict]) -> list[dict]:
+    """The upstream requests that produced a reply, one per call: a request the server refused
+    for its output cap must be followed by the same body without the cap (the proxy's retry)."""
+    served: list[dict] = []
+    refused: dict | None = None
+    for entry in upstream_chat:
+        r = ask(server_url, entry["body"])
+        if r.status_code == 400 and CAP_REFUSED.search(r.text):
+            assert refused is None, "two refusals in a row: the retry kept the cap"
+            refused = entry["body"]
+            continue
+        assert r.status_code == 200, r.text
+        if refused is not None:
+            without = {
+                k: v for k, v in refused.items() if k not in ("max_tokens", "max_completion_tokens")
+            }
+            assert entry["body"] == without, "the retry changed more than the cap"
+            refused = None
+        served.append({**entry, "answer": r.json()})
+    assert refused is None, "a refused call was not retried"
+    return served
+
+
+def run_through_proxy(name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm):
+    harness = HARNESSES[name]
+    rollout, source = ROLLOUTS[name]
+    server = make_policy_server(SCENARIO)
+    wire_log = tmp_path / "wire.jsonl"
+    mitm = make_mitm(
+        server.url,
+        listen_host=netns.host_ip,
+        scripts_before=[WIRE_CAPTURE],
+        wire_answer="false",
+        wire_log=str(wire_log),
+        polar_control_token=CONTROL_TOKEN,
+    )
+    env_lines = polar_env(mitm.url, confdir, rollout if source == "proxy_auth" else None)
+    result = run_harness(
+        harness, harness_bin, tmp_path, env_lines, f"polar-{rollout}", wrap=netns.wrap
+    )
+    upstream = httpx.get(server.url + "/_polar/requests", timeout=10).json()
+    ended = None
+    if ENDED_BY[name] == "control" and result.returncode == 0:
+        # The trainer's side: the harness is done, the workdir scored, the rollout ended.
+        ended = ControlClient(CONTROL_TOKEN, proxy=mitm.url).end(rollout, reward=REWARD)
+    assert mitm.stop() == 0, mitm.proc.output()
+    wire = (
+        [json.loads(line) for line in wire_log.read_text().splitlines()]
+        if wire_log.exists()
+        else []
+    )
+    wire = sorted((e for e in wire if e["kind"] == "request"), key=lambda e: e["order"])
+    calls = sorted(read_table(str(mitm.output), "calls").to_pylist(), key=lambda r: r["started_at"])
+    traces = read_table(str(mitm.output), "traces").to_pylist()
+    return result, Observed(wire, upstream, calls, traces, mitm.output, ended), server
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HARNESSES))
+def test_real_harness(
+    name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, qwen3
+):
+    rollout, source = ROLLOUTS[name]
+    result, seen, server = run_through_proxy(
+        name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm
+    )
+    log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+    # The harness's own view: a normal run with the scripted answer.
+    assert result.returncode == 0, log
+    assert FINAL_TEXT in result.stdout, log
+    noise = KNOWN_NOISE.get(name, [])
+    errors = [
+        line
+        for line in (result.stdout + "\n" + result.stderr).splitlines()
+        if API_ERROR.search(line) and not any(p.search(line) for p in noise)
+    ]
+    assert errors == [], log
+    # The tool really ran.
+    assert (result.workdir / FILE_NAME).read_text() == FILE_TEXT, log
+
+    # Every request the harness sent went through the proxy; LLM calls were captured, the other
+    # paths of the captured hosts were answered locally and never reached the policy server.
+    llm = [e for e in seen.wire if is_llm_request(e)]
+    assert len(llm) >= 2, seen.wire
+    assert all(e["status"] == 200 for e in llm), [(e["path"], e["status"]) for e in llm]
+    others = [e for e in seen.wire if e["host"] in POLAR_HOSTS and not is_llm_request(e)]
+    for e in others:
+        websocket = (header(e, "upgrade") or "").lower() == "websocket"
+        assert e["status"] == (426 if websocket else 404), e
+    assert {(u["method"], u["path"]) for u in seen.upstream} <= {
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+    }, seen.upstream
+    upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
+
+    # calls/: one row per LLM request, in order, with exact ids.
+    served = served_requests(server.url, upstream_chat)
+    assert len(seen.calls) == len(llm) == len(served), (seen.calls, llm)
+    retried = len(upstream_chat) - len(served)
+    notes = [n for row in seen.calls for n in row["translation_notes"] or [] if "dropped" in n]
+    assert len([n for n in notes if "exceeds the model's context" in n]) == retried, notes
+    for row, sent, asked in zip(seen.calls, llm, served, strict=True):
+        assert row["status"] == "completed", row["error"]
+        assert row["rollout_id"] == rollout and row["rollout_source"] == source
+        assert row["host"] == sent["host"] and row["path"] == sent["path"].partition("?")[0]
+        assert row["model_served"] == "Qwen/Qwen3-4B"
+        assert row["model_requested"] == sent["body"]["model"]
+        want = asked["answer"]
+        assert row["prompt_token_ids"] == want["prompt_token_ids"]
+        assert row["output_token_ids"] == want["choices"][0]["token_ids"]
+        lps = [e["logprob"] for e in want["choices"][0]["logprobs"]["content"]]
+        assert row["output_logprobs"] == pytest.approx(lps, abs=1e-6)
+        assert row["ids_source"] == "upstream" and row["count_check"] == "ok"
+        assert row["trainable"] is True
+    assert grep_bytes(seen.output, [f"polar-{rollout}"]) == {}  # the key never reaches disk
+
+    # traces/: one main trace of the main calls: prompt (0), turn 1 (1), tool result (0), turn 2 (1).
+    main_calls = [r for r in seen.calls if r["purpose"] == "main"]
+    assert len(main_calls) == 2, [(r["purpose"], r["path"]) for r in seen.calls]
+    mains = [t for t in seen.traces if t["rollout_id"] == rollout and t["role"] == "main"]
+    assert len(mains) == 1, [(t["role"], t["call_ids"], t["break_reason"]) for t in seen.traces]
+    trace = mains[0]
+    assert trace["call_ids"] == [r["call_id"] for r in main_calls]
+    assert trace["trainable"] is True, trace["untrainable_reason"]
+    if ENDED_BY[name] == "control":
+        # Ended by the trainer with a reward: the trace carries it and is complete.
+        assert seen.ended is not None and seen.ended["reward"] == REWARD, seen.ended
+        assert (trace["status"], trace["reward"]) == ("completed", REWARD)
+    else:
+        # Still open when the proxy stopped: written at shutdown, incomplete, no reward.
+        assert (trace["status"], trace["reward"]) == ("incomplete", None)
+    first, last = main_calls
+    ids, mask, lps = trace["input_ids"], trace["loss_mask"], trace["logprobs"]
+    assert ids == last["prompt_token_ids"] + last["output_token_ids"]
+    assert len(mask) == len(ids) == len(lps)
+    runs = mask_runs(mask)
+    assert [v for v, _, _ in runs] == [0, 1, 0, 1], runs
+    (_, _, p_end), (_, a1, a1_end), (_, r0, r_end), (_, a2, a2_end) = runs
+    assert ids[:p_end] == first["prompt_token_ids"]
+    assert ids[a1:a1_end] == first["output_token_ids"]
+    assert ids[a2:a2_end] == last["output_token_ids"]
+    assert lps[a1:a1_end] == pytest.approx(first["output_logprobs"], abs=1e-6)
+    assert lps[a2:a2_end] == pytest.approx(last["output_logprobs"], abs=1e-6)
+    assert all(lp == 0 for lp in lps[r0:r_end])
+    tool_result = qwen3.decode(ids[r0:r_end])
+    assert FILE_TEXT in tool_result and "<tool_response>" in tool_result, tool_result
+    # Side calls, if any, are not part of the main trace.
+    for row in seen.calls:
+        if row["purpose"] != "main":
+            assert row["call_id"] not in trace["call_ids"]
+
+    if name == "codex":
+        # Codex tries a WebSocket first; refused with 426 it falls back to SSE POSTs.
+        ws = [e for e in seen.wire if (header(e, "upgrade") or "").lower() == "websocket"]
+        assert ws and all(e["status"] == 426 for e in ws), ws
+        assert ws[0]["order"] < llm[0]["order"]
+        assert header(llm[0], "authorization") is None  # no key on the wire: proxy credentials
+        assert seen.calls[0]["session_id"] == header(llm[0], "session-id")
+    if name == "claude":
+        # max_tokens 128000 does not fit beside the prompt in the policy's 131072 context: each
+        # call was refused once upstream and sent again without the cap.
+        assert retried == len(seen.calls), (retried, notes)
+        assert seen.calls[0]["session_id"] == header(llm[0], "x-claude-code-session-id")
+
+
+def test_the_namespace_has_no_way_out_but_the_proxy(netns, make_policy_server):
+    """What makes a bypass fail: from inside, neither a public address nor the host's loopback
+    services (the policy server) can be reached; only the host end of the veth link can."""
+    server = make_policy_server(SCENARIO)
+    port = int(server.url.rsplit(":", 1)[1])
+    probe = (
+        "import socket, sys\n"
+        "def dial(host, port):\n"
+        "    try:\n"
+        "        socket.create_connection((host, port), timeout=3).close(); return 'open'\n"
+        "    except OSError as e:\n"
+        "        return type(e).__name__\n"
+        "print(dial('1.1.1.1', 443), dial('127.0.0.1', int(sys.argv[1])), dial(sys.argv[2], 9))\n"
+    )
+    r = subprocess.run(
+        netns.wrap([sys.executable, "-c", probe, str(port), netns.host_ip]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+    public, loopback, host_end = r.stdout.split()
+    assert public == "OSError"  # ENETUNREACH: no route
+    assert loopback == "ConnectionRefusedError"  # the namespace's own, empty loopback
+    assert host_end == "ConnectionRefusedError"  # reachable (a refusal, not a time-out)
