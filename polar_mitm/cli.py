@@ -20,11 +20,33 @@ console = Console()
 
 def fail(message: str) -> None:
     """One clear line on stderr and a non-zero exit: what a user meets instead of a traceback."""
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {' '.join(message.split())}", err=True)  # one line, whatever it quotes
     sys.exit(1)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose heavier commands are imported only when used (the policy server pulls in
+    aiohttp and the tokenizer stack: a second on every `polar-mitm summary` otherwise).
+    ``lazy`` maps a command name to ``"module:attribute"``."""
+
+    lazy: dict[str, str] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy and cmd_name not in self.commands:
+            import importlib
+
+            module, _, attr = self.lazy[cmd_name].partition(":")
+            try:
+                self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+            except ImportError:  # pragma: no cover - during development only
+                return None
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="polar-mitm")
 def main() -> None:
     """Capture token-exact RL training data from unmodified coding-agent harnesses."""
@@ -96,7 +118,7 @@ def _echo_json(value: object) -> None:
     click.echo(json.dumps(value, indent=2, default=str))
 
 
-@main.command()
+@main.command(short_help="Rollouts and GRPO groups: calls, tokens, rewards.")
 @DIRECTORY
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (rollouts, groups, totals).")
 def summary(directory: str, as_json: bool) -> None:
@@ -122,7 +144,7 @@ def summary(directory: str, as_json: bool) -> None:
     console.print(summary_tables(result, directory, console.width))
 
 
-@main.command()
+@main.command(short_help="The calls table: tokens, latency, errors.")
 @DIRECTORY
 @click.option("--rollout", "-r", default=None, help="Only this rollout's calls.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object per call.")
@@ -171,7 +193,7 @@ TOKENIZER = click.option(
 )
 
 
-@main.command()
+@main.command(short_help="One trace, policy vs environment tokens in colour.")
 @DIRECTORY
 @click.argument("rollout_arg", metavar="[ROLLOUT]", required=False)
 @click.option("--rollout", "-r", "rollout_opt", default=None, help="The rollout (same as ROLLOUT).")
@@ -255,7 +277,7 @@ def show(
         console.print(part)
 
 
-@main.command()
+@main.command(short_help="Traces in slime / verl / NeMo Gym / JSONL format.")
 @DIRECTORY
 @click.option(
     "--format",
@@ -345,7 +367,7 @@ def export(
         )
 
 
-@main.command()
+@main.command(short_help="Join rewards from a JSONL/CSV file (new shards).")
 @DIRECTORY
 @click.argument("reward_file", metavar="FILE", type=click.Path(dir_okay=False))
 @click.option("--skip-unknown", is_flag=True, help="Ignore rollouts in FILE that have no traces.")
@@ -405,7 +427,7 @@ def reward(
     )
 
 
-@main.command()
+@main.command(short_help="A self-contained HTML report with charts.")
 @DIRECTORY
 @click.option(
     "--html", "html_out", required=True, type=click.Path(dir_okay=False), help="Page to write."
@@ -471,12 +493,8 @@ def recover(directory: str, journal: str | None) -> None:
 
 
 def _register_optional() -> None:
-    """Commands whose modules are written separately (and may import heavy libraries lazily)."""
-    try:
-        from .policy_server.cli import policy_server
-    except ImportError:  # pragma: no cover - during development only
-        return
-    main.add_command(policy_server)
+    """Commands whose modules are written separately, imported when they are run."""
+    LazyGroup.lazy["policy-server"] = "polar_mitm.policy_server.cli:policy_server"
 
 
 _register_optional()

@@ -53,6 +53,8 @@ def parse_rewards(text: str, name: str) -> dict[str, float]:
     CSV with a header naming ``rollout_id`` and ``reward``; the format is told by the first
     character (``{`` is JSONL)."""
     pairs: list[tuple[str, float, str]] = []
+    if not text.strip():
+        raise RewardFileError(f"{name}: no rewards in it")
     if text.lstrip().startswith("{"):
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():

@@ -51,8 +51,15 @@ OUTPUTS = {
     "tail -1 notes.txt": "gamma",
 }
 # what each rollout was ended with through the control plane (absent: never ended)
-LIVE_REWARDS = {"loop.0": 1.0, "combo.0": 0.5, "task.0": 0.0, "task.1": 1.0, "task.2": None,
-                "bad.0": 0.0, "stream.0": 1.0}
+LIVE_REWARDS = {
+    "loop.0": 1.0,
+    "combo.0": 0.5,
+    "task.0": 0.0,
+    "task.1": 1.0,
+    "task.2": None,
+    "bad.0": 0.0,
+    "stream.0": 1.0,
+}
 
 
 @dataclass
@@ -61,8 +68,13 @@ class Session:
     mitm_log: str
 
 
-def chat(client: httpx.Client, rollout: str, messages: list[dict], tools: list[dict] | None,
-         purpose: str | None = None) -> dict:
+def chat(
+    client: httpx.Client,
+    rollout: str,
+    messages: list[dict],
+    tools: list[dict] | None,
+    purpose: str | None = None,
+) -> dict:
     body: dict = {"model": "gpt-4.1", "messages": messages}
     if tools:
         body["tools"] = tools
@@ -74,14 +86,19 @@ def chat(client: httpx.Client, rollout: str, messages: list[dict], tools: list[d
     return r.json()["choices"][0]["message"]
 
 
-def agent(client: httpx.Client, rollout: str, messages: list[dict], tools: list[dict]) -> list[dict]:
+def agent(
+    client: httpx.Client, rollout: str, messages: list[dict], tools: list[dict]
+) -> list[dict]:
     """A careful harness: replies go back verbatim, reasoning included, so the chain extends."""
     replies = []
     for _ in range(10):
         reply = chat(client, rollout, messages, tools)
         replies.append(reply)
-        turn = {"role": "assistant", "content": reply.get("content"),
-                "reasoning": reply.get("reasoning")}
+        turn = {
+            "role": "assistant",
+            "content": reply.get("content"),
+            "reasoning": reply.get("reasoning"),
+        }
         if reply.get("tool_calls"):
             turn["tool_calls"] = reply["tool_calls"]
         messages.append(turn)
@@ -99,25 +116,47 @@ def _combo(client: httpx.Client) -> None:
     messages = [main_system, task]
     first = chat(client, "combo.0", messages, [RUN_SHELL, SPAWN])
     [spawn] = first["tool_calls"]
-    chat(client, "combo.0", [{"role": "system", "content": "[title] Write a title."}, task], None,
-         purpose="title")
-    sub = [{"role": "system", "content": "[sub-agent] You count lines."},
-           {"role": "user", "content": json.loads(spawn["function"]["arguments"])["task"]}]
+    chat(
+        client,
+        "combo.0",
+        [{"role": "system", "content": "[title] Write a title."}, task],
+        None,
+        purpose="title",
+    )
+    sub = [
+        {"role": "system", "content": "[sub-agent] You count lines."},
+        {"role": "user", "content": json.loads(spawn["function"]["arguments"])["task"]},
+    ]
     answer = agent(client, "combo.0", sub, [RUN_SHELL])[-1]["content"]
-    messages.append({"role": "assistant", "content": first.get("content"),
-                     "reasoning": first.get("reasoning"), "tool_calls": first["tool_calls"]})
+    messages.append(
+        {
+            "role": "assistant",
+            "content": first.get("content"),
+            "reasoning": first.get("reasoning"),
+            "tool_calls": first["tool_calls"],
+        }
+    )
     messages.append({"role": "tool", "tool_call_id": spawn["id"], "content": answer})
     agent(client, "combo.0", messages, [RUN_SHELL, SPAWN])
-    compacted = [main_system, {"role": "user", "content":
-                               "[summary] A sub-agent counted 3 lines in notes.txt. Continue."}]
+    compacted = [
+        main_system,
+        {
+            "role": "user",
+            "content": "[summary] A sub-agent counted 3 lines in notes.txt. Continue.",
+        },
+    ]
     agent(client, "combo.0", compacted, [RUN_SHELL, SPAWN])
 
 
 def _stream(client: httpx.Client) -> None:
-    body = {"model": "gpt-4.1", "stream": True,
-            "messages": [{"role": "user", "content": "[chat] streamed hello"}]}
-    with client.stream("POST", CHAT_URL, json=body,
-                       headers={"authorization": "Bearer polar-stream.0"}) as r:
+    body = {
+        "model": "gpt-4.1",
+        "stream": True,
+        "messages": [{"role": "user", "content": "[chat] streamed hello"}],
+    }
+    with client.stream(
+        "POST", CHAT_URL, json=body, headers={"authorization": "Bearer polar-stream.0"}
+    ) as r:
         assert r.status_code == 200
         assert any(line.startswith("data: [DONE]") for line in r.iter_lines())
 
@@ -129,16 +168,25 @@ def produce(tmp: Path, confdir: Path) -> Session:
         mitm = start_mitm(tmp, confdir, server.url, polar_control_token=TOKEN)
         ctl = ControlClient(TOKEN, proxy=mitm.url)
         with http_client(mitm) as client:
-            agent(client, "loop.0", [
-                {"role": "system", "content": "You are a coding agent. Use run_shell."},
-                {"role": "user", "content": "How many lines does notes.txt have?"},
-            ], [RUN_SHELL])
+            agent(
+                client,
+                "loop.0",
+                [
+                    {"role": "system", "content": "You are a coding agent. Use run_shell."},
+                    {"role": "user", "content": "How many lines does notes.txt have?"},
+                ],
+                [RUN_SHELL],
+            )
             _combo(client)
             for i in range(4):
-                chat(client, f"task.{i}", [{"role": "user", "content": f"[chat] attempt {i}"}],
-                     None)
-            bad = client.post(CHAT_URL, json={"model": "gpt-4.1", "messages": "not a list"},
-                              headers={"authorization": "Bearer polar-bad.0"})
+                chat(
+                    client, f"task.{i}", [{"role": "user", "content": f"[chat] attempt {i}"}], None
+                )
+            bad = client.post(
+                CHAT_URL,
+                json={"model": "gpt-4.1", "messages": "not a list"},
+                headers={"authorization": "Bearer polar-bad.0"},
+            )
             assert bad.status_code == 400, bad.text
             chat(client, "bad.0", [{"role": "user", "content": "[chat] after the bad one"}], None)
             _stream(client)
