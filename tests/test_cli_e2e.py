@@ -10,7 +10,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -307,7 +306,7 @@ def test_show_ids_and_logprob_shading(truth):
     assert shaded and all(bg.startswith("rgb(") and bg.endswith(",0,0)") for bg in shaded)
     unlikely = [
         i
-        for i, (m, lp) in enumerate(zip(trace["loss_mask"], trace["logprobs"]))
+        for i, (m, lp) in enumerate(zip(trace["loss_mask"], trace["logprobs"], strict=True))
         if m and math.exp(lp) < 0.9
     ]
     assert unlikely, "the reference server's logprobs should vary"
@@ -697,7 +696,8 @@ def test_report_opens_in_headless_chromium_without_console_errors(data, truth, t
         assert f'id="r-{rid}"' in html
     # mask spans to scale: one rect per run of equal mask values, per trace
     runs = sum(
-        1 + sum(a != b for a, b in zip(t["loss_mask"], t["loss_mask"][1:])) for t in truth["traces"]
+        1 + sum(a != b for a, b in zip(t["loss_mask"], t["loss_mask"][1:], strict=False))
+        for t in truth["traces"]
     )
     assert (
         html.count("environment (mask 0): tokens") + html.count("policy (mask 1): tokens") == runs
