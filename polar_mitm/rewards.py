@@ -53,6 +53,7 @@ def parse_rewards(text: str, name: str) -> dict[str, float]:
     CSV with a header naming ``rollout_id`` and ``reward``; the format is told by the first
     character (``{`` is JSONL)."""
     pairs: list[tuple[str, float, str]] = []
+    text = text.removeprefix("\ufeff")  # a BOM from spreadsheet exports
     if not text.strip():
         raise RewardFileError(f"{name}: no rewards in it")
     if text.lstrip().startswith("{"):
