@@ -716,3 +716,18 @@ def test_report_opens_in_headless_chromium_without_console_errors(data, truth, t
     broken.write_text("<html><body><script>console.error('x'); missing();</script></body></html>")
     r = chromium(f"--screenshot={tmp_path / 'broken.png'}", broken.as_uri(), tmp=tmp_path)
     assert len(console_lines(r.stderr, broken)) == 2
+
+
+def test_long_scans_show_a_progress_bar_on_a_terminal(copy, truth):
+    """Ten shards (copies: the reader dedupes them) make a long scan; a terminal (FORCE_COLOR
+    makes rich treat stderr as one) gets a progress bar there, a pipe gets none."""
+    shard = list_shards(str(copy), "calls")[0]
+    for i in range(9):
+        shutil.copy(shard, Path(shard).with_name(f"part-copy{i}.parquet"))
+    tty = run("summary", str(copy), "--json", FORCE_COLOR="1")
+    assert tty.returncode == 0, tty.stderr
+    assert "reading calls" in tty.stderr and "100%" in tty.stderr
+    assert json.loads(tty.stdout)["totals"]["calls"] == len(truth["calls"])
+    pipe = run("summary", str(copy), "--json")
+    assert pipe.returncode == 0 and pipe.stderr == ""
+    assert json.loads(pipe.stdout) == json.loads(tty.stdout)
