@@ -87,7 +87,6 @@ def _bar_chart(
             f'<text x="{left - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end">'
             f"{_e(_fmt(top * frac))}</text>"
         )
-    out.append(f'<text x="4" y="10" font-size="10" fill="#666">{_e(unit)}</text>')
     for i, bar in enumerate(bars):
         x = left + i * step + (step - bw) / 2
         y = height
