@@ -2,26 +2,51 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.table import Table
 
 from .certs import DEFAULT_CONFDIR, ensure_ca, env_lines
+from .export import FORMATS
 
 console = Console()
 
 
 def fail(message: str) -> None:
     """One clear line on stderr and a non-zero exit: what a user meets instead of a traceback."""
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {' '.join(message.split())}", err=True)  # one line, whatever it quotes
     sys.exit(1)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose heavier commands are imported only when used (the policy server pulls in
+    aiohttp and the tokenizer stack: a second on every `polar-mitm summary` otherwise).
+    ``lazy`` maps a command name to ``"module:attribute"``."""
+
+    lazy: dict[str, str] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy and cmd_name not in self.commands:
+            import importlib
+
+            module, _, attr = self.lazy[cmd_name].partition(":")
+            try:
+                self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+            except ImportError:  # pragma: no cover - during development only
+                return None
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="polar-mitm")
 def main() -> None:
     """Capture token-exact RL training data from unmodified coding-agent harnesses."""
@@ -72,62 +97,377 @@ def env(proxy: str, rollout: str | None, confdir: str) -> None:
     click.echo("\n".join(lines))
 
 
-@main.command()
-@click.argument("directory", type=click.Path())
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def summary(directory: str, as_json: bool) -> None:
-    """Per-rollout figures of the calls captured under DIRECTORY (polar_output)."""
-    from .store import read_table
-    from .summary import summarize_calls
+DIRECTORY = click.argument("directory", metavar="DIR", type=click.Path())
 
-    if "://" not in directory and not Path(directory).exists():
-        fail(f"{directory} does not exist")
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Problems with the user's data or files as one line and exit 1, never a traceback."""
+    from .captured import DataError
+    from .rewards import RewardFileError
+    from .tokens import TokenizerError
+    from .traceview import TraceShapeError
+
     try:
-        calls = read_table(directory, "calls")
-    except (OSError, ValueError) as e:
-        fail(f"cannot read shards under {directory}: {e}")
-    rollouts = summarize_calls(calls)
+        yield
+    except (DataError, RewardFileError, TokenizerError, TraceShapeError) as e:
+        fail(str(e))
+
+
+def _echo_json(value: object) -> None:
+    click.echo(json.dumps(value, indent=2, default=str))
+
+
+@main.command(short_help="Rollouts and GRPO groups: calls, tokens, rewards.")
+@DIRECTORY
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (rollouts, groups, totals).")
+def summary(directory: str, as_json: bool) -> None:
+    """Per rollout and per GRPO group: calls, traces, tokens, breaks, flags, status, reward.
+
+    DIR is the proxy's polar_output. Prompt / sampled tokens are the calls' id lists (calls/);
+    policy / environment tokens are the traces' loss masks (traces/, written when a rollout
+    ends). --json prints {"rollouts": [...], "groups": [...], "totals": {...}}.
+    """
+    from . import captured
+    from .cli_tables import summary_tables
+    from .summary import summarize
+
+    with _user_errors():
+        calls = captured.read(directory, "calls", captured.CALL_FIGURES, required=False)
+        traces = captured.read(directory, "traces", captured.TRACE_FIGURES, required=False)
+        if calls.num_rows == 0 and traces.num_rows == 0:
+            captured.read(directory, "calls")  # raises the "no shards" error
+    result = summarize(calls, traces)
     if as_json:
-        click.echo(json.dumps([r.as_dict() for r in rollouts], indent=2))
+        _echo_json(result.as_dict())
         return
-    if not rollouts:
-        fail(f"no captured calls under {directory}")
-    table = Table(title=f"polar-mitm capture: {directory}")
-    for name in (
-        "rollout",
-        "group",
-        "calls",
-        "prompt tokens",
-        "sampled tokens",
-        "errors",
-        "retokenized",
-        "dialects",
-    ):
-        numeric = "tokens" in name or name in ("calls", "errors", "retokenized")
-        table.add_column(name, justify="right" if numeric else "left", no_wrap=not numeric)
-    for r in rollouts:
-        table.add_row(
-            r.rollout_id,
-            r.group_id or "-",
-            str(r.calls),
-            str(r.prompt_tokens),
-            str(r.output_tokens),
-            str(r.errors),
-            str(r.retokenized),
-            ",".join(r.dialects),
+    console.print(summary_tables(result, directory, console.width))
+
+
+@main.command(short_help="The calls table: tokens, latency, errors.")
+@DIRECTORY
+@click.option("--rollout", "-r", default=None, help="Only this rollout's calls.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, one object per call.")
+def calls(directory: str, rollout: str | None, as_json: bool) -> None:
+    """The calls table: dialect, model, tokens, latency, time to first byte, status, error.
+
+    One row per captured LLM call under DIR (the proxy's polar_output), in order of start.
+    Latency is finished - started, ttfb the first byte the harness got - started (ms).
+    """
+    from . import captured
+    from .cli_tables import calls_table
+    from .summary import call_rows
+
+    with _user_errors():
+        table = captured.read(directory, "calls", captured.CALL_FIGURES, rollout=rollout)
+        if rollout is not None and table.num_rows == 0:
+            fail(f"no calls of rollout {rollout!r} under {directory} ({_known(directory)})")
+    rows = call_rows(table)
+    if as_json:
+        _echo_json(rows)
+        return
+    console.print(calls_table(rows, directory))
+
+
+def _known(directory: str) -> str:
+    """A short list of the rollout ids there are, for "unknown rollout" errors."""
+    from . import captured
+
+    ids: list[str] = []
+    for dataset in ("traces", "calls"):
+        table = captured.read(directory, dataset, ["rollout_id"], required=False, progress=False)
+        ids += [r for r in table["rollout_id"].to_pylist() if r not in ids]
+    if not ids:
+        return "there are none"
+    shown = ", ".join(ids[:8])
+    return f"rollouts: {shown}" + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
+
+
+TOKENIZER = click.option(
+    "--tokenizer",
+    envvar="POLAR_TOKENIZER",
+    default=None,
+    help="Policy tokenizer to decode with: a Hugging Face tokenizer dir or tiktoken:NAME "
+    "(env POLAR_TOKENIZER). Default: the served model's tokenizer if it is in the local "
+    "Hugging Face cache.",
+)
+
+
+@main.command(short_help="One trace, policy vs environment tokens in colour.")
+@DIRECTORY
+@click.argument("rollout_arg", metavar="[ROLLOUT]", required=False)
+@click.option("--rollout", "-r", "rollout_opt", default=None, help="The rollout (same as ROLLOUT).")
+@click.option(
+    "--trace", "-t", default=None, help="Trace id or a unique prefix (default: the main trace)."
+)
+@click.option("--ids", is_flag=True, help="Show each token's id after it.")
+@click.option("--logprobs", is_flag=True, help="Shade policy tokens by logprob (red: unlikely).")
+@TOKENIZER
+@click.option(
+    "--pager/--no-pager", default=True, show_default=True, help="Page long output on a terminal."
+)
+def show(
+    directory: str,
+    rollout_arg: str | None,
+    rollout_opt: str | None,
+    trace: str | None,
+    ids: bool,
+    logprobs: bool,
+    tokenizer: str | None,
+    pager: bool,
+) -> None:
+    """One trace as a person reads it: decoded tokens, environment vs policy in two colours.
+
+    Environment tokens (loss_mask 0: prompts, tool output, the chat template) are cyan, policy
+    tokens (loss_mask 1: what the model sampled and training updates) bold green. A rule marks
+    each call boundary with the tokens it added and sampled; the header gives the trace's role,
+    break reason and evidence, and lists the rollout's other traces. Without ROLLOUT, DIR must
+    hold one rollout. Without --trace, the rollout's main trace (the main agent's root chain).
+    Without a tokenizer, token ids are shown instead of text.
+    """
+    from . import captured
+    from .show import render
+    from .tokens import resolve, token_pieces
+    from .traceview import pick_trace
+
+    if rollout_arg and rollout_opt and rollout_arg != rollout_opt:
+        fail(f"two rollouts given: {rollout_arg} and --rollout {rollout_opt}")
+    rollout = rollout_arg or rollout_opt
+    with _user_errors():
+        if rollout is None:
+            table = captured.read(directory, "traces", ["rollout_id"], progress=False)
+            known = list(dict.fromkeys(table["rollout_id"].to_pylist()))
+            if len(known) != 1:
+                fail(f"{directory} holds {len(known)} rollouts: name one ({_known(directory)})")
+            rollout = known[0]
+        traces = captured.read(directory, "traces", rollout=rollout, required=False).to_pylist()
+        call_list = captured.read(
+            directory, "calls", captured.CALL_FIGURES, rollout=rollout, required=False
+        ).to_pylist()
+        if not traces:
+            if call_list:
+                fail(
+                    f"rollout {rollout} has {len(call_list)} call(s) but no traces yet (traces "
+                    "are written when it ends: control plane, polar_rollout_idle or proxy exit)"
+                )
+            fail(f"no rollout {rollout!r} under {directory} ({_known(directory)})")
+        try:
+            chosen = pick_trace(traces, trace)
+        except LookupError as e:
+            fail(str(e))
+        tok, where = resolve(tokenizer, [c.get("model_served") for c in call_list])
+        pieces = token_pieces(tok, chosen["input_ids"]) if tok else None
+        note = f"decoded with {where}" if tok else "no tokenizer (--tokenizer): showing ids"
+        parts = render(
+            chosen,
+            traces,
+            pieces,
+            {c["call_id"]: c for c in call_list},
+            ids=ids,
+            logprobs=logprobs,
+            tokenizer_note=note,
         )
-    table.add_section()
-    table.add_row(
-        "total",
-        "",
-        str(sum(r.calls for r in rollouts)),
-        str(sum(r.prompt_tokens for r in rollouts)),
-        str(sum(r.output_tokens for r in rollouts)),
-        str(sum(r.errors for r in rollouts)),
-        str(sum(r.retokenized for r in rollouts)),
-        "",
+    if pager and sys.stdout.isatty():
+        os.environ.setdefault("LESS", "-RFX")  # colours; quit at once when it fits one screen
+        with console.pager(styles=True):
+            for part in parts:
+                console.print(part)
+        return
+    for part in parts:
+        console.print(part)
+
+
+@main.command(short_help="Traces in slime / verl / NeMo Gym / JSONL format.")
+@DIRECTORY
+@click.option(
+    "--format",
+    "-f",
+    "fmt",
+    required=True,
+    type=click.Choice(sorted(FORMATS)),
+    help="Trainer format (see docs/export.md).",
+)
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="File to write.")
+@click.option("--all", "include_all", is_flag=True, help="Also untrainable and unfinished traces.")
+@click.option(
+    "--role",
+    "roles",
+    multiple=True,
+    type=click.Choice(["main", "sub", "side"]),
+    help="Only traces of this role (repeatable; default: all).",
+)
+@TOKENIZER
+@click.option(
+    "--pad-id", default=0, show_default=True, type=int, help="verl: id that fills the padding."
+)
+def export(
+    directory: str,
+    fmt: str,
+    out: str,
+    include_all: bool,
+    roles: tuple[str, ...],
+    tokenizer: str | None,
+    pad_id: int,
+) -> None:
+    """Write the traces under DIR in a trainer's own format.
+
+    \b
+    slime     JSONL of slime Sample dicts (Sample.from_dict): tokens, response_length,
+              loss_mask, rollout_log_probs, reward, status, metadata
+    verl      .npz of verl's batch keys: prompts, responses, response_mask, input_ids,
+              attention_mask, position_ids, rollout_log_probs (+ rm_scores, uid, ...)
+    nemo-gym  JSONL of NeMo Gym rollout results: per-turn prompt_token_ids,
+              generation_token_ids, generation_log_probs
+    jsonl     the trace rows as JSON lines (schema column names) with per-call segments
+
+    By default only trainable, completed traces go out (--all for every one). A tokenizer
+    fills the text fields (slime prompt/response, NeMo Gym output text); the ids are
+    exported either way. The file appears whole or not at all.
+    """
+    from . import captured
+    from .export import ExportOptions, build_records, select
+    from .export import export as write_export
+    from .tokens import resolve
+
+    with _user_errors():
+        traces = captured.read(directory, "traces").to_pylist()
+        kept, skipped = select(traces, include_all, roles)
+        if not kept:
+            why = ", ".join(f"{n} {k}" for k, n in skipped.items())
+            fail(
+                f"nothing to export from {directory}: {len(traces)} trace(s), left out: {why} (--all exports them)"
+            )
+        calls_t = captured.read(
+            directory,
+            "calls",
+            ["finish_reason", "model_served", "model_requested", "purpose", "status"],
+            required=False,
+        )
+        by_id = {c["call_id"]: c for c in calls_t.to_pylist()}
+        tok, _ = resolve(tokenizer) if tokenizer else (None, "")
+        records = build_records(kept, by_id)
+    try:
+        result = write_export(
+            FORMATS[fmt], records, out, ExportOptions(pad_id=pad_id, tokenizer=tok)
+        )
+    except (OSError, ValueError) as e:
+        fail(f"cannot write {out}: {e}")
+    err = click.get_text_stream("stderr")
+    click.echo(
+        f"wrote {result.records} {fmt} record(s) of {result.rollouts} rollout(s), "
+        f"{result.policy_tokens} policy tokens, to {out}"
     )
-    console.print(table)
+    for why, n in skipped.items():
+        click.echo(f"left out {n} trace(s): {why}", file=err)
+    if result.without_reward:
+        click.echo(
+            f"warning: {result.without_reward} record(s) have no reward "
+            "(end the rollout with one, or polar-mitm reward DIR FILE)",
+            file=err,
+        )
+
+
+@main.command(short_help="Join rewards from a JSONL/CSV file (new shards).")
+@DIRECTORY
+@click.argument("reward_file", metavar="FILE", type=click.Path(dir_okay=False))
+@click.option("--skip-unknown", is_flag=True, help="Ignore rollouts in FILE that have no traces.")
+@click.option("--dry-run", is_flag=True, help="Say what would be written, write nothing.")
+@click.option(
+    "--journal",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Local journal dir for the new rows (default: DIR/_journal_reward; required when "
+    "DIR is remote).",
+)
+def reward(
+    directory: str, reward_file: str, skip_unknown: bool, dry_run: bool, journal: str | None
+) -> None:
+    """Join rewards from FILE into the traces under DIR, as new shards.
+
+    FILE is JSONL ({"rollout_id": "task.3", "reward": 1.0} per line) or CSV with a header
+    naming rollout_id and reward. Each trace of a named rollout is written again with the
+    reward and a higher revision, into new shards; no shard is changed, and readers keep the
+    highest revision. Nothing is written unless every line is valid and every rollout has
+    traces (--skip-unknown ignores those that have none). Traces that already have the
+    reward are left alone, so a second run writes nothing.
+    """
+    from . import captured
+    from .rewards import default_journal, plan, read_rewards
+    from .rewards import write as write_rewards
+
+    with _user_errors():
+        rewards = read_rewards(reward_file)
+        traces = captured.read(directory, "traces").to_pylist()
+    p = plan(traces, rewards)
+    if p.unknown and not skip_unknown:
+        shown = ", ".join(p.unknown[:5]) + (" ..." if len(p.unknown) > 5 else "")
+        fail(
+            f"{len(p.unknown)} rollout(s) in {reward_file} have no traces under {directory}: "
+            f"{shown} (--skip-unknown ignores them)"
+        )
+    verb = "would write" if dry_run else "wrote"
+    if not p.rows:
+        click.echo(
+            f"nothing to write: {p.unchanged} trace(s) of {len(p.rollouts)} rollout(s) already have their reward"
+        )
+        return
+    if not dry_run:
+        journal = journal or default_journal(directory)
+        if journal is None:
+            fail(f"{directory} is remote: give --journal, a local directory")
+        try:
+            shards = write_rewards(directory, p.rows, journal)
+        except (OSError, RuntimeError, ValueError) as e:
+            fail(f"cannot write the rewarded traces: {e}")
+    click.echo(
+        f"{verb} {len(p.rows)} trace(s) of {len(p.rollouts)} rollout(s) with their reward"
+        + (f" into {len(shards)} new shard(s)" if not dry_run else "")
+        + (f"; {p.unchanged} already had it" if p.unchanged else "")
+        + (f"; skipped {len(p.unknown)} unknown rollout(s)" if p.unknown else "")
+    )
+
+
+@main.command(short_help="A self-contained HTML report with charts.")
+@DIRECTORY
+@click.option(
+    "--html", "html_out", required=True, type=click.Path(dir_okay=False), help="Page to write."
+)
+@click.option(
+    "--max-rollouts",
+    default=500,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Draw at most this many rollouts (all are counted).",
+)
+def report(directory: str, html_out: str, max_rollouts: int) -> None:
+    """A self-contained HTML page (no network) of what is under DIR.
+
+    Totals, GRPO groups, and per rollout: tokens per call, the mask spans of each trace
+    (environment vs policy tokens, call boundaries), latency per call and fidelity flags.
+    """
+    from . import captured
+    from .report_html import render as render_report
+    from .summary import call_rows, summarize
+
+    with _user_errors():
+        calls_t = captured.read(directory, "calls", captured.CALL_FIGURES, required=False)
+        traces_t = captured.read(
+            directory,
+            "traces",
+            [*captured.TRACE_FIGURES, "loss_mask", "call_offsets"],
+            required=False,
+        )
+        if calls_t.num_rows == 0 and traces_t.num_rows == 0:
+            captured.read(directory, "calls")
+    result = summarize(calls_t, traces_t)
+    page = render_report(directory, result, call_rows(calls_t), traces_t.to_pylist(), max_rollouts)
+    try:
+        Path(html_out).write_text(page, encoding="utf-8")
+    except OSError as e:
+        fail(f"cannot write {html_out}: {e}")
+    click.echo(
+        f"wrote {html_out} ({len(page) // 1024} KiB, {min(len(result.rollouts), max_rollouts)} rollouts)"
+    )
 
 
 @main.command()
@@ -153,12 +493,8 @@ def recover(directory: str, journal: str | None) -> None:
 
 
 def _register_optional() -> None:
-    """Commands whose modules are written separately (and may import heavy libraries lazily)."""
-    try:
-        from .policy_server.cli import policy_server
-    except ImportError:  # pragma: no cover - during development only
-        return
-    main.add_command(policy_server)
+    """Commands whose modules are written separately, imported when they are run."""
+    LazyGroup.lazy["policy-server"] = "polar_mitm.policy_server.cli:policy_server"
 
 
 _register_optional()

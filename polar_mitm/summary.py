@@ -1,7 +1,15 @@
-"""Figures about captured data, computed from the shards (pure functions, used by the CLI)."""
+"""Figures about captured data, computed from the shards (pure functions, used by the CLI).
+
+`summarize(calls, traces)` gives one `RolloutSummary` per rollout id, one `GroupSummary` per GRPO
+group and the totals. Token counts come from the shards themselves: a call's prompt / sampled
+tokens are the lengths of its id lists, a trace's policy / environment tokens its
+``num_policy_tokens`` / ``num_env_tokens`` (the sums of its loss mask). `call_rows` is the calls
+table. Tables may hold only the columns `captured.CALL_FIGURES` / `TRACE_FIGURES` name.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -13,44 +21,261 @@ import pyarrow.compute as pc
 class RolloutSummary:
     rollout_id: str
     group_id: str | None
+    sample_index: int | None = None
     calls: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    errors: int = 0
+    prompt_tokens: int = 0  # sum over calls of len(prompt_token_ids)
+    output_tokens: int = 0  # sum over calls of len(output_token_ids): what the policy sampled
+    errors: int = 0  # calls that did not complete
     retokenized: int = 0  # calls whose ids the proxy recomputed (the server returned none)
-    statuses: dict[str, int] = field(default_factory=dict)
+    statuses: dict[str, int] = field(default_factory=dict)  # of the calls
     dialects: list[str] = field(default_factory=list)
+    traces: int = 0
+    policy_tokens: int = 0  # sum of the traces' loss masks
+    env_tokens: int = 0
+    roles: dict[str, int] = field(default_factory=dict)
+    break_reasons: dict[str, int] = field(default_factory=dict)
+    fidelity_flags: dict[str, int] = field(default_factory=dict)  # calls carrying each flag
+    status: str | None = None  # how the rollout ended (its traces' status); None: not ended yet
+    reward: float | None = None  # the latest trace's reward
+    trainable_traces: int = 0
+    untrainable: list[str] = field(default_factory=list)  # reason kinds, e.g. "call_error"
+
+    @property
+    def trainable(self) -> bool:
+        return self.traces > 0 and self.trainable_traces == self.traces
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["trainable"] = self.trainable
+        return d
+
+
+@dataclass(slots=True)
+class GroupSummary:
+    group_id: str
+    rollouts: list[str] = field(default_factory=list)
+    calls: int = 0
+    traces: int = 0
+    output_tokens: int = 0
+    policy_tokens: int = 0
+    rewarded: int = 0  # rollouts with a reward
+    reward_mean: float | None = None
+    reward_std: float | None = None  # population std, as GRPO normalizes
+    reward_min: float | None = None
+    reward_max: float | None = None
+    trainable_rollouts: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)  # of the rollouts
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+@dataclass(slots=True)
+class Summary:
+    rollouts: list[RolloutSummary]
+    groups: list[GroupSummary]
+    totals: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rollouts": [r.as_dict() for r in self.rollouts],
+            "groups": [g.as_dict() for g in self.groups],
+            "totals": self.totals,
+        }
+
+
+def _lengths(table: pa.Table, column: str) -> list[int]:
+    if column not in table.column_names:
+        return [0] * table.num_rows
+    return pc.fill_null(pc.list_value_length(table[column]), 0).to_pylist()
+
+
+def _col(table: pa.Table, column: str) -> list[Any]:
+    if column not in table.column_names:
+        return [None] * table.num_rows
+    return table[column].to_pylist()
+
+
+def _count(d: dict[str, int], key: str, n: int = 1) -> None:
+    d[key] = d.get(key, 0) + n
+
+
 def summarize_calls(calls: pa.Table) -> list[RolloutSummary]:
-    """One summary per rollout, in order of first call."""
-    if calls.num_rows == 0:
-        return []
-    prompt_len = pc.fill_null(pc.list_value_length(calls["prompt_token_ids"]), 0).to_pylist()
-    output_len = pc.fill_null(pc.list_value_length(calls["output_token_ids"]), 0).to_pylist()
-    order = pc.sort_indices(calls, [("started_at", "ascending")]).to_pylist()
-    rollouts = calls["rollout_id"].to_pylist()
-    groups = calls["group_id"].to_pylist()
-    statuses = calls["status"].to_pylist()
-    dialects = calls["dialect"].to_pylist()
-    sources = calls["ids_source"].to_pylist() if "ids_source" in calls.column_names else []
+    """One summary per rollout, in order of first call, from calls/ alone."""
+    return summarize(calls, None).rollouts
+
+
+def summarize(calls: pa.Table, traces: pa.Table | None) -> Summary:
     out: dict[str, RolloutSummary] = {}
+    _add_calls(out, calls)
+    if traces is not None and traces.num_rows:
+        _add_traces(out, traces)
+    rollouts = list(out.values())
+    groups = _groups(rollouts)
+    return Summary(rollouts, groups, _totals(rollouts, groups))
+
+
+def _add_calls(out: dict[str, RolloutSummary], calls: pa.Table) -> None:
+    if calls.num_rows == 0:
+        return
+    prompt_len = _lengths(calls, "prompt_token_ids")
+    output_len = _lengths(calls, "output_token_ids")
+    order = pc.sort_indices(calls, [("started_at", "ascending")]).to_pylist()
+    rollouts, groups = _col(calls, "rollout_id"), _col(calls, "group_id")
+    samples, statuses = _col(calls, "sample_index"), _col(calls, "status")
+    dialects, sources = _col(calls, "dialect"), _col(calls, "ids_source")
+    flags = _col(calls, "fidelity_flags")
     for i in order:
         s = out.get(rollouts[i])
         if s is None:
-            s = out[rollouts[i]] = RolloutSummary(rollouts[i], groups[i])
+            s = out[rollouts[i]] = RolloutSummary(rollouts[i], groups[i], samples[i])
         s.calls += 1
         s.prompt_tokens += prompt_len[i]
         s.output_tokens += output_len[i]
         status = statuses[i] or "unknown"
-        s.statuses[status] = s.statuses.get(status, 0) + 1
+        _count(s.statuses, status)
         if status != "completed":
             s.errors += 1
-        if sources and sources[i] == "retokenized":
+        if sources[i] == "retokenized":
             s.retokenized += 1
         if dialects[i] and dialects[i] not in s.dialects:
             s.dialects.append(dialects[i])
-    return list(out.values())
+        for flag in flags[i] or ():
+            _count(s.fidelity_flags, flag)
+
+
+def _add_traces(out: dict[str, RolloutSummary], traces: pa.Table) -> None:
+    cols = {
+        c: _col(traces, c)
+        for c in (
+            "rollout_id",
+            "group_id",
+            "sample_index",
+            "role",
+            "break_reason",
+            "num_policy_tokens",
+            "num_env_tokens",
+            "reward",
+            "status",
+            "trainable",
+            "untrainable_reason",
+            "created_at",
+        )
+    }
+    latest: dict[str, Any] = {}
+    statuses: dict[str, list[str]] = {}
+    for i in range(traces.num_rows):
+        rid = cols["rollout_id"][i]
+        s = out.get(rid)
+        if s is None:  # traces whose calls are not (or no longer) in calls/
+            s = out[rid] = RolloutSummary(rid, cols["group_id"][i], cols["sample_index"][i])
+        s.traces += 1
+        s.policy_tokens += cols["num_policy_tokens"][i] or 0
+        s.env_tokens += cols["num_env_tokens"][i] or 0
+        _count(s.roles, cols["role"][i] or "unknown")
+        _count(s.break_reasons, cols["break_reason"][i] or "unknown")
+        status = cols["status"][i]
+        if status and status not in statuses.setdefault(rid, []):
+            statuses[rid].append(status)
+        if cols["trainable"][i]:
+            s.trainable_traces += 1
+        for reason in (cols["untrainable_reason"][i] or "").split("; "):
+            kind = reason.split(":", 1)[0].strip()
+            if kind and kind not in s.untrainable:
+                s.untrainable.append(kind)
+        created = cols["created_at"][i]
+        if cols["reward"][i] is not None and (rid not in latest or created >= latest[rid]):
+            latest[rid] = created
+            s.reward = cols["reward"][i]
+    for rid, seen in statuses.items():
+        out[rid].status = ",".join(seen)
+
+
+def _groups(rollouts: list[RolloutSummary]) -> list[GroupSummary]:
+    groups: dict[str, GroupSummary] = {}
+    for r in rollouts:
+        if r.group_id is None:
+            continue
+        g = groups.setdefault(r.group_id, GroupSummary(r.group_id))
+        g.rollouts.append(r.rollout_id)
+        g.calls += r.calls
+        g.traces += r.traces
+        g.output_tokens += r.output_tokens
+        g.policy_tokens += r.policy_tokens
+        g.trainable_rollouts += r.trainable
+        _count(g.statuses, r.status or "open")
+    for g in groups.values():
+        rewards = [r.reward for r in rollouts if r.group_id == g.group_id and r.reward is not None]
+        g.rewarded = len(rewards)
+        if rewards:
+            mean = sum(rewards) / len(rewards)
+            g.reward_mean = mean
+            g.reward_std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
+            g.reward_min, g.reward_max = min(rewards), max(rewards)
+    return list(groups.values())
+
+
+def _totals(rollouts: list[RolloutSummary], groups: list[GroupSummary]) -> dict[str, Any]:
+    totals: dict[str, Any] = {"rollouts": len(rollouts), "groups": len(groups)}
+    for name in (
+        "calls",
+        "errors",
+        "retokenized",
+        "prompt_tokens",
+        "output_tokens",
+        "traces",
+        "policy_tokens",
+        "env_tokens",
+        "trainable_traces",
+    ):
+        totals[name] = sum(getattr(r, name) for r in rollouts)
+    totals["rewarded"] = sum(r.reward is not None for r in rollouts)
+    for name in ("break_reasons", "fidelity_flags"):
+        merged: dict[str, int] = {}
+        for r in rollouts:
+            for k, n in getattr(r, name).items():
+                _count(merged, k, n)
+        totals[name] = merged
+    return totals
+
+
+# -- the calls table ----------------------------------------------------------------------------
+
+
+def _ms(later: Any, earlier: Any) -> float | None:
+    if later is None or earlier is None:
+        return None
+    return (later - earlier).total_seconds() * 1000.0
+
+
+def call_rows(calls: pa.Table) -> list[dict[str, Any]]:
+    """One dict per call, in order of start: what `polar-mitm calls` shows."""
+    if calls.num_rows == 0:
+        return []
+    calls = calls.take(pc.sort_indices(calls, [("started_at", "ascending")]))
+    prompt_len = _lengths(calls, "prompt_token_ids")
+    output_len = _lengths(calls, "output_token_ids")
+    out = []
+    for i, c in enumerate(calls.drop_columns(["prompt_token_ids", "output_token_ids"]).to_pylist()):
+        out.append(
+            {
+                "call_id": c["call_id"],
+                "rollout_id": c["rollout_id"],
+                "started_at": c["started_at"].isoformat() if c["started_at"] else None,
+                "dialect": c.get("dialect"),
+                "purpose": c.get("purpose"),
+                "model_requested": c.get("model_requested"),
+                "model_served": c.get("model_served"),
+                "prompt_tokens": prompt_len[i],
+                "output_tokens": output_len[i],
+                "latency_ms": _ms(c.get("finished_at"), c.get("started_at")),
+                "ttfb_ms": _ms(c.get("first_byte_at"), c.get("started_at")),
+                "status": c.get("status"),
+                "http_status": c.get("http_status"),
+                "finish_reason": c.get("finish_reason"),
+                "ids_source": c.get("ids_source"),
+                "fidelity_flags": c.get("fidelity_flags") or [],
+                "error": c.get("error"),
+            }
+        )
+    return out

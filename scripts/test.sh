@@ -9,4 +9,16 @@ source scripts/_python.sh
 polar_venv .venv test,readers
 export PATH="$PWD/.venv/bin:$PATH"
 ./scripts/install_harnesses.sh >/dev/null || { echo "error: the pinned harnesses could not be installed (scripts/install_harnesses.sh)" >&2; exit 1; }
+# The CLI tests open the HTML report in headless Chromium and run `show` in tmux (Debian packages of
+# those names). Installed when missing (root, or sudo without a password); tests that need a
+# missing one fail, they never skip.
+missing=()
+for cmd in chromium tmux; do command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd"); done
+if [ ${#missing[@]} -gt 0 ]; then
+    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+    echo "installing ${missing[*]} (apt-get)" >&2
+    $sudo apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 \
+        || { $sudo apt-get update -q >/dev/null 2>&1 && $sudo apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; } \
+        || echo "warning: could not install ${missing[*]}; the tests that need them will fail" >&2
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -69,7 +69,7 @@ def test_server_ignoring_token_flags_is_retokenized(
     assert log.count(WARNING) == 1, log  # once per upstream, not per call
     summary = CliRunner().invoke(cli_main, ["summary", str(mitm.output), "--json"])
     assert summary.exit_code == 0, summary.output
-    [rollout] = json.loads(summary.output)
+    [rollout] = json.loads(summary.output)["rollouts"]
     assert rollout["rollout_id"] == "old.0" and rollout["retokenized"] == 3
 
 
