@@ -99,20 +99,15 @@ def common_suffix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 def diff_regions(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int, int, int]]:
     """The non-equal stretches (a[i1:i2] vs b[j1:j2]) of the best alignment of a and b."""
-    if len(a) + len(b) > 2 * _ALIGN_LIMIT:
-        p = first_difference(a, b)
-        if p is None:
-            return []
-        s = common_suffix(a, b, min(len(a), len(b)) - p)
-        return [(p, len(a) - s, p, len(b) - s)]
-    matcher = difflib.SequenceMatcher(None, list(a), list(b), autojunk=False)
-    return [(i1, i2, j1, j2) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal"]
+    return [(i1, i2, j1, j2) for tag, i1, i2, j1, j2 in opcodes(a, b) if tag != "equal"]
 
 
-def wrong_tokens(sampled: Sequence[int], other: Sequence[int]) -> int:
+def wrong_tokens(sampled: Sequence[int], other: Sequence[int], policy_from: int = 0) -> int:
     """How many sampled tokens a pipeline training on `other` gets wrong: those outside the
-    stretches the two sequences share (in order)."""
-    return sum(i2 - i1 for i1, i2, _, _ in diff_regions(sampled, other))
+    stretches the two sequences share (in order), counted from index `policy_from` on."""
+    return sum(
+        max(0, i2 - max(i1, policy_from)) for i1, i2, _, _ in diff_regions(sampled, other)
+    )
 
 
 def find_ids(haystack: Sequence[int], needle: Sequence[int], start: int = 0) -> int | None:
@@ -213,45 +208,76 @@ def _special_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
 # -- a re-rendered turn ----------------------------------------------------------------------------
 
 
-def classify_turn(tok: Any, sampled: Sequence[int], other: Sequence[int]) -> TurnDrift | None:
+def classify_turn(
+    tok: Any, sampled: Sequence[int], other: Sequence[int], policy_from: int = 0
+) -> TurnDrift | None:
     """How the re-rendered turn `other` differs from the sampled turn, or None when it does not.
+    `sampled` may start with `policy_from` environment tokens (a difference that straddles the
+    turn's start); they are not counted as wrong.
 
-    Without a tokenizer only the position and the wrong-token count are known."""
+    Each differing stretch whose text is the same on both sides is a re-split (``bpe_resplit``,
+    or ``special_tokens`` when the other side made a special token of it); the texts tell
+    ``reasoning_dropped`` and ``tool_args_reserialized``; what is left is the generic
+    ``template_rerender``. Without a tokenizer only the position and the wrong-token count
+    are known."""
     pos = first_difference(sampled, other)
     if pos is None:
         return None
-    drift = TurnDrift(pos, pos, wrong_tokens(sampled, other))
+    ops = opcodes(sampled, other)
+    wrong = sum(max(0, i2 - max(i1, policy_from)) for t, i1, i2, _, _ in ops if t != "equal")
+    drift = TurnDrift(pos, pos, wrong)
     if tok is None:
         return drift
-    s_text, o_text = tok.decode(sampled), tok.decode(other)
-    if s_text == o_text:
-        specials = set(tok.specials.values())
-        for i1, _, j1, j2 in diff_regions(sampled, other):
-            made = {t for t in other[j1:j2] if t in specials} - set(sampled)
+    specials = set(tok.specials.values())
+    for tag, i1, i2, j1, j2 in ops:
+        if tag == "equal" or tok.decode(sampled[i1:i2]) != tok.decode(other[j1:j2]):
+            continue
+        made = {t for t in other[j1:j2] if t in specials} - set(sampled[i1:i2])
+        if not any(c.flag in (BPE_RESPLIT, SPECIAL_TOKENS) for c in drift.causes):
             drift.causes.append(Cause(SPECIAL_TOKENS if made else BPE_RESPLIT, i1, j1))
-            break
-        return drift
+    s_text, o_text = tok.decode(sampled), tok.decode(other)
     s_rest, o_rest = s_text, o_text
     m = _THINK.search(s_text)
     if m and m.group(1).strip() and m.group(1).strip() not in o_text:
         at = token_at_char(tok, sampled, m.start())
-        drift.causes.append(Cause(REASONING_DROPPED, at, min(at, len(other)), None))
+        drift.causes.append(Cause(REASONING_DROPPED, at, map_offset(ops, at)))
         s_rest, o_rest = _THINK_BLOCK.sub("", s_text), _THINK_BLOCK.sub("", o_text)
     reserialized = _reserialized_json(s_text, o_text)
     if reserialized is not None:
-        s_char, o_char, note = reserialized
-        drift.causes.append(
-            Cause(
-                TOOL_ARGS_RESERIALIZED,
-                token_at_char(tok, sampled, s_char),
-                token_at_char(tok, other, o_char),
-                note,
-            )
-        )
+        s_char, _, note = reserialized
+        at = token_at_char(tok, sampled, s_char)
+        drift.causes.append(Cause(TOOL_ARGS_RESERIALIZED, at, map_offset(ops, at), note))
         s_rest, o_rest = _canonical_json(s_rest), _canonical_json(o_rest)
     if s_rest != o_rest:
         drift.causes.append(Cause(TEMPLATE_RERENDER, pos, pos, "other rendering"))
+    drift.causes.sort(key=lambda c: c.offset)
     return drift
+
+
+def opcodes(a: Sequence[int], b: Sequence[int]) -> list[tuple[str, int, int, int, int]]:
+    """difflib's opcodes of the best alignment of a and b (long sequences: one differing
+    stretch between the common prefix and suffix)."""
+    if len(a) + len(b) > 2 * _ALIGN_LIMIT:
+        p = first_difference(a, b)
+        if p is None:
+            return [("equal", 0, len(a), 0, len(b))]
+        s = common_suffix(a, b, min(len(a), len(b)) - p)
+        return [
+            ("equal", 0, p, 0, p),
+            ("replace", p, len(a) - s, p, len(b) - s),
+            ("equal", len(a) - s, len(a), len(b) - s, len(b)),
+        ]
+    return difflib.SequenceMatcher(None, list(a), list(b), autojunk=False).get_opcodes()
+
+
+def map_offset(ops: Sequence[tuple[str, int, int, int, int]], offset: int) -> int:
+    """Where index `offset` of the first sequence lands in the second, by the alignment."""
+    for tag, i1, i2, j1, j2 in ops:
+        if i1 <= offset < i2 or (i1 == i2 == offset):
+            if tag == "equal":
+                return j1 + offset - i1
+            return j1 + min(offset - i1, max(j2 - j1 - 1, 0))
+    return ops[-1][4] if ops else offset
 
 
 def _json_objects(text: str) -> list[tuple[int, int, Any]]:

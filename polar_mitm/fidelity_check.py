@@ -65,6 +65,9 @@ OFF, CHECK, STRICT = "off", "check", "strict"
 MODES = (OFF, CHECK, STRICT)
 DRIFT_FLAGS = frozenset(FLAGS)
 ANCHOR = 32  # tokens of an environment turn's end used to find it in a re-rendered prompt
+# A first difference this close before a sampled turn is the turn's own (BPE merged the
+# prompt's last token with the re-rendered turn's first: no special token between them).
+BOUNDARY = 2
 MAX_PENDING = 10_000  # calls waiting for the worker beyond this are stored unchecked
 _SNIPPET = 40  # characters either side of special-token text in a request
 
@@ -191,11 +194,17 @@ def rerender_checks(
     turns: list[dict[str, Any]] = []
     cursor = job.lcp
     for idx, (cid, start, out_start, end) in enumerate(job.turns):
-        sampled = job.tokens[out_start - job.base : end - job.base]
+        seg = out_start  # where the compared stretch starts (the turn's output, usually)
+        where = "policy"
         if idx == 0 and job.where == "env":
-            turns.append({"turn_call_id": cid, "in": "env", "position": job.lcp, "wrong": 0})
-        if idx == 0 and job.where == "policy":
-            r_start = out_start
+            if out_start - job.lcp <= BOUNDARY:
+                seg, where = job.lcp, "boundary"
+            else:
+                turns.append({"turn_call_id": cid, "in": "env", "position": job.lcp, "wrong": 0})
+        lead = out_start - seg  # environment tokens in front of the sampled turn
+        sampled = job.tokens[seg - job.base : end - job.base]
+        if idx == 0 and (job.where == "policy" or where == "boundary"):
+            r_start = seg  # the prompt equals the chain up to the common prefix
         else:
             env = job.tokens[max(start, job.base) - job.base : out_start - job.base]
             anchor = env[-ANCHOR:]
@@ -210,16 +219,17 @@ def rerender_checks(
         stop = find_ids(prompt, sampled[-1:], r_start)
         r_end = stop + 1 if stop is not None else len(prompt)
         other = prompt[r_start:r_end]
-        drift = classify_turn(tok, sampled, other)
+        drift = classify_turn(tok, sampled, other, lead)
         cursor = r_end
         if drift is None:
             continue
-        found.wrong[cid] = max(found.wrong.get(cid, 0), drift.wrong)
+        if drift.wrong:
+            found.wrong[cid] = max(found.wrong.get(cid, 0), drift.wrong)
         turns.append(
             {
                 "turn_call_id": cid,
-                "in": "policy",
-                "offset": drift.offset,
+                "in": where,
+                "offset": drift.offset - lead,
                 "position": r_start + drift.other_offset,
                 "wrong": drift.wrong,
                 "causes": [c.flag for c in drift.causes],
@@ -231,7 +241,7 @@ def rerender_checks(
             d = {
                 "turn_call_id": cid,
                 "position": r_start + cause.other_offset,
-                "offset": cause.offset,
+                "offset": cause.offset - lead,
                 "parent_trace_id": job.parent_trace_id,
             }
             if cause.note:
