@@ -105,9 +105,7 @@ def diff_regions(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int, int
 def wrong_tokens(sampled: Sequence[int], other: Sequence[int], policy_from: int = 0) -> int:
     """How many sampled tokens a pipeline training on `other` gets wrong: those outside the
     stretches the two sequences share (in order), counted from index `policy_from` on."""
-    return sum(
-        max(0, i2 - max(i1, policy_from)) for i1, i2, _, _ in diff_regions(sampled, other)
-    )
+    return sum(max(0, i2 - max(i1, policy_from)) for i1, i2, _, _ in diff_regions(sampled, other))
 
 
 def find_ids(haystack: Sequence[int], needle: Sequence[int], start: int = 0) -> int | None:

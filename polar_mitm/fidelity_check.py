@@ -69,6 +69,7 @@ ANCHOR = 32  # tokens of an environment turn's end used to find it in a re-rende
 # prompt's last token with the re-rendered turn's first: no special token between them).
 BOUNDARY = 2
 MAX_PENDING = 10_000  # calls waiting for the worker beyond this are stored unchecked
+PROMPT_COUNT_MISMATCH = "prompt_count_mismatch"
 _SNIPPET = 40  # characters either side of special-token text in a request
 
 
@@ -123,18 +124,19 @@ def local_checks(tok: PolicyTokenizer | None, record: CallRecord) -> Findings:
     me = record.call_id
     out = list(record.output_token_ids or ())
     prompt = record.prompt_token_ids
-    if record.count_check == "mismatch" or COUNT_MISMATCH in record.fidelity_flags:
-        usage = record.usage_completion_tokens
-        at = min(len(out), usage if isinstance(usage, int) else len(out))
-        detail = {"part": "output", "ids": len(out), "usage": usage, "position": at}
-        detail.update(_tail(tok, out, at))
-        found.add(COUNT_MISMATCH, me, detail)
-    usage_prompt = record.usage_prompt_tokens
-    if prompt is not None and isinstance(usage_prompt, int) and usage_prompt != len(prompt):
-        at = min(len(prompt), usage_prompt)
-        detail = {"part": "prompt", "ids": len(prompt), "usage": usage_prompt, "position": at}
-        detail.update(_tail(tok, prompt, at))
-        found.add(COUNT_MISMATCH, me, detail)
+    if record.ids_source == "upstream":  # the no-ids fallback checks its own counts
+        if record.count_check == "mismatch" or COUNT_MISMATCH in record.fidelity_flags:
+            usage = record.usage_completion_tokens
+            at = min(len(out), usage if isinstance(usage, int) else len(out))
+            detail = {"part": "output", "ids": len(out), "usage": usage, "position": at}
+            detail.update(_tail(tok, out, at))
+            found.add(COUNT_MISMATCH, me, detail)
+        usage_prompt = record.usage_prompt_tokens
+        if prompt is not None and isinstance(usage_prompt, int) and usage_prompt != len(prompt):
+            at = min(len(prompt), usage_prompt)
+            detail = {"part": "prompt", "ids": len(prompt), "usage": usage_prompt, "position": at}
+            detail.update(_tail(tok, prompt, at))
+            found.add(PROMPT_COUNT_MISMATCH, me, detail)  # the fallback's name for it
     if tok is None:
         return found
     if out and record.ids_source == "upstream":
