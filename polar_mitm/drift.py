@@ -12,7 +12,7 @@ Causes of a re-rendered turn, from its decoded text on both sides:
 - ``bpe_resplit``: the same text, other ids (the tokenizer splits the text differently than the
   model sampled it);
 - ``special_tokens``: the other side holds a special token where the sampled side spelled its
-  text with ordinary tokens (or text outside the turn does: see `special_strings`);
+  text with ordinary tokens;
 - ``reasoning_dropped``: a non-empty ``<think>…</think>`` block of the sampled turn is missing;
 - ``tool_args_reserialized``: a JSON object (tool-call arguments) parses to the same value on
   both sides but is written with other spacing or key order;
@@ -181,26 +181,6 @@ def roundtrip(tok: Any, ids: Sequence[int]) -> tuple[list[int], list[Cause], int
         made = {t for t in again[j1:j2] if t in specials} - set(ids[i1:i2])
         causes.append(Cause(SPECIAL_TOKENS if made else BPE_RESPLIT, i1, j1))
     return again, causes, wrong
-
-
-def special_strings(text: str, specials: Iterable[str]) -> list[tuple[int, str]]:
-    """(offset, token) of each special-token string in `text`: a server renders the prompt to
-    text and tokenizes it, so such text becomes a control token the model never saw as text."""
-    names = sorted((s for s in specials if s), key=len, reverse=True)
-    if not names or not text:
-        return []
-    pattern = _special_pattern(tuple(names))
-    return [(m.start(), m.group(0)) for m in pattern.finditer(text)]
-
-
-_PATTERNS: dict[tuple[str, ...], re.Pattern[str]] = {}
-
-
-def _special_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
-    pattern = _PATTERNS.get(names)
-    if pattern is None:
-        pattern = _PATTERNS[names] = re.compile("|".join(re.escape(n) for n in names))
-    return pattern
 
 
 # -- a re-rendered turn ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ naming the option, never a proxy that silently skips its checks.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,11 +29,15 @@ class PolicyTokenizer:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     _special: dict[str, int] | None = field(default=None, repr=False, compare=False)
+    _special_re: re.Pattern[str] | None = field(default=None, repr=False, compare=False)
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` as a server tokenizes rendered text: special-token strings in it
         become the special tokens."""
         if self.kind == "hf":
+            backend = getattr(self.impl, "backend_tokenizer", None)
+            if backend is not None:  # the same Rust tokenizer, without transformers' overhead
+                return backend.encode(text, add_special_tokens=False).ids
             return list(self.impl.encode(text, add_special_tokens=False))
         return self.impl.encode(text, allowed_special="all")
 
@@ -42,6 +47,11 @@ class PolicyTokenizer:
         ids = list(ids)
         try:
             if self.kind == "hf":
+                backend = getattr(self.impl, "backend_tokenizer", None)
+                if backend is not None and not getattr(
+                    self.impl, "clean_up_tokenization_spaces", False
+                ):
+                    return backend.decode(ids, skip_special_tokens=False)
                 return self.impl.decode(ids, skip_special_tokens=False)
             return self.impl.decode(ids)
         except Exception:
@@ -73,6 +83,14 @@ class PolicyTokenizer:
                 found = {s: self.impl.encode_single_token(s) for s in self.impl.special_tokens_set}
             self._special = found
         return self._special
+
+    @property
+    def special_pattern(self) -> re.Pattern[str] | None:
+        """One regex for every special-token string (None when there are none)."""
+        if self._special_re is None and self.specials:
+            names = sorted(self.specials, key=len, reverse=True)
+            self._special_re = re.compile("|".join(re.escape(n) for n in names))
+        return self._special_re
 
     @property
     def eos_id(self) -> int | None:

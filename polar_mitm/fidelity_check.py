@@ -51,7 +51,6 @@ from .drift import (
     context,
     find_ids,
     roundtrip,
-    special_strings,
 )
 from .fidelity import PolicyTokenizer
 
@@ -157,8 +156,8 @@ def local_checks(tok: PolicyTokenizer | None, record: CallRecord) -> Findings:
             found.wrong[me] = wrong
     if SPECIAL_TOKENS not in found.flags and record.request_json:
         text = record.request_json
-        names = [s for s in tok.specials if s in text]
-        hits = special_strings(text, names) if names else []
+        pattern = tok.special_pattern
+        hits = [(m.start(), m.group(0)) for m in pattern.finditer(text)] if pattern else []
         if hits:
             offset, token = hits[0]
             found.add(

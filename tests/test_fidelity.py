@@ -671,3 +671,17 @@ def test_a_rollout_that_ended_before_its_checks_landed_is_written_again(qwen):
             latest[t["trace_id"]] = t
     assert {t["revision"] for t in latest.values()} == {2}  # one rewrite per call checked
     assert not any(t["trainable"] for t in latest.values())
+
+
+def test_the_benchmark_runs():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_fidelity
+
+    figures = bench_fidelity.figures(smoke=True)
+    assert figures["fidelity_us_per_call_check"] > figures["fidelity_us_per_call_off"] > 0
+    assert figures["fidelity_check_vs_off"] == pytest.approx(
+        figures["fidelity_us_per_call_check"] / figures["fidelity_us_per_call_off"]
+    )
