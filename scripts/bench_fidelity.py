@@ -17,6 +17,14 @@ replaced by building the calls/ row (`record.to_row()`), and is timed in CPU tim
 
 In the proxy the checks run in a worker thread after the harness has its reply: this is CPU they
 take, not latency the harness sees. Rendering the prompts (the inputs) is outside the clock.
+
+    .venv/bin/python scripts/bench_fidelity.py --proxy [--calls 60]
+
+measures the whole proxy instead: the reference policy server, and mitmdump with the addon run
+twice (`polar_fidelity=off`, then `check` with the Qwen3 tokenizer); the same sequential calls
+through each (HTTPS via the proxy, streamed; rollouts of two calls whose second sends the first
+reply back without its reasoning and a new user turn, so every second call is a re-render to
+explain); proxy CPU-seconds per call from /proc, and their ratio.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import time
 from array import array
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from polar_mitm.assets import qwen3_tokenizer_dir  # noqa: E402
 from polar_mitm.capture import CallRecord  # noqa: E402
@@ -184,14 +193,119 @@ def figures(smoke: bool = False, turns: int = 40, repeat: int = 5, drift_every: 
     }
 
 
+PROXY_SCENARIO = {
+    "model": "Qwen/Qwen3-4B",
+    "scripts": [
+        {
+            "name": "chat",
+            "turns": [
+                {
+                    "reasoning": "Think about the question for a while. " * 8,
+                    "content": "Here is a longer answer with some detail. " * 10,
+                },
+                {"reasoning": "A follow-up.", "content": "Still here. " * 10},
+            ],
+        }
+    ],
+}
+
+
+def proxy_figures(calls: int = 60) -> dict:
+    """Proxy CPU per call with polar_fidelity=off vs check (real mitmdump + reference server)."""
+    import tempfile
+    from pathlib import Path
+
+    import bench  # noqa: PLC0415 - scripts/bench.py: its process helpers
+    import httpx
+
+    from polar_mitm.certs import ensure_ca
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        scenario = tmp / "scenario.json"
+        scenario.write_text(json.dumps(PROXY_SCENARIO))
+        confdir = tmp / "certs"
+        ensure_ca(confdir)
+        server, url = bench.start_server(tmp, scenario, 0, "server")
+        try:
+            for mode in ("off", "check"):
+                port = bench.free_port()
+                args = [
+                    str(bench.BIN / "mitmdump"),
+                    "-s",
+                    str(bench.ROOT / "addons" / "polar.py"),
+                    "--listen-host",
+                    "127.0.0.1",
+                    "--listen-port",
+                    str(port),
+                    "--set",
+                    f"confdir={confdir}",
+                    "--set",
+                    f"polar_upstream={url}",
+                    "--set",
+                    f"polar_output={tmp / mode}",
+                    "--set",
+                    f"polar_fidelity={mode}",
+                    "--set",
+                    f"polar_tokenizer={qwen3_tokenizer_dir()}",
+                ]
+                proxy = bench.Child(args, tmp / f"{mode}.log", r"polar-mitm: capturing")
+                try:
+                    with httpx.Client(
+                        proxy=f"http://127.0.0.1:{port}",
+                        verify=str(confdir / "mitmproxy-ca-cert.pem"),
+                        timeout=60,
+                    ) as client:
+                        _conversations(client, 4, f"warm-{mode}")
+                        cpu0 = proxy.cpu_seconds()
+                        _conversations(client, calls // 2, mode)
+                        cpu = proxy.cpu_seconds() - cpu0
+                finally:
+                    proxy.stop()
+                out[f"proxy_ms_cpu_per_call_{mode}"] = cpu / (2 * (calls // 2)) * 1e3
+        finally:
+            server.stop()
+    out["proxy_cpu_check_vs_off"] = (
+        out["proxy_ms_cpu_per_call_check"] / out["proxy_ms_cpu_per_call_off"]
+    )
+    return out
+
+
+def _conversations(client, n: int, tag: str) -> None:
+    url = "https://api.openai.com/v1/chat/completions"
+    for i in range(n):
+        headers = {"authorization": f"Bearer polar-{tag}-{i}"}
+        messages = [{"role": "user", "content": "Tell me about the weather. " * 30}]
+        for turn in range(2):
+            body = {"model": "gpt-4.1", "messages": messages, "stream": True}
+            text = []
+            with client.stream("POST", url, json=body, headers=headers) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        delta = json.loads(line[6:])["choices"][0].get("delta") or {}
+                        text.append(delta.get("content") or "")
+            if turn == 0:  # sent back without its reasoning, then a new user turn
+                messages += [
+                    {"role": "assistant", "content": "".join(text)},
+                    {"role": "user", "content": "And tomorrow?"},
+                ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=40)
     ap.add_argument("--repeat", type=int, default=5, help="best of this many runs")
     ap.add_argument("--drift-every", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="tiny counts: only checks that it runs")
+    ap.add_argument("--proxy", action="store_true", help="measure the whole proxy (mitmdump)")
+    ap.add_argument("--calls", type=int, default=60, help="calls per proxy with --proxy")
     args = ap.parse_args()
-    out = figures(args.smoke, args.turns, args.repeat, args.drift_every)
+    if args.proxy:
+        out = proxy_figures(args.calls)
+    else:
+        out = figures(args.smoke, args.turns, args.repeat, args.drift_every)
     for key, value in out.items():
         print(f"{key:40s} {value:10.2f}")
 
