@@ -5,6 +5,8 @@ One class per concern, composed in `addons/polar.py`:
 - `RolloutIdentityAddon`: remembers proxy credentials per client connection;
 - `TokenizerAddon`: loads the policy tokenizer (`polar_tokenizer`);
 - `RetokenizeAddon`: the no-ids fallback built on it (`polar_trust_retokenized`);
+- `FidelityAddon`: token fidelity checks of every call (`polar_fidelity`), between the merge
+  and the store;
 - `StoreAddon`: the journal and Parquet shards under `polar_output`;
 - `CaptureAddon`: detects LLM calls on `polar_hosts`, sends them to the policy server through the
   in-process gateway, answers the other paths of those hosts;
@@ -41,6 +43,9 @@ from .control import DEFAULT_HOST, ControlAPI, ControlServer, ControlState, enco
 from .dialects import Dialect, DialectError, HarnessRequest, detect
 from .exchange import Call, UpstreamSettings
 from .fidelity import PolicyTokenizer, TokenizerError, load_tokenizer
+from .fidelity_check import MODES as FIDELITY_MODES
+from .fidelity_check import FidelityStage
+from .fidelity_check import describe as describe_fidelity
 from .gateway import Gateway
 from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, resolve
 from .retokenize import Retokenizer
@@ -168,6 +173,51 @@ class TokenizerAddon:
             self.tokenizer = load_tokenizer(spec)
         except TokenizerError as e:
             _errors.fail(f"polar_tokenizer: {e}")
+
+
+class FidelityAddon:
+    """`polar_fidelity`: each finished call is merged into its rollout, checked against the
+    policy tokenizer off the event loop, then stored (see fidelity_check.py)."""
+
+    def __init__(self, tokenizer: TokenizerAddon, stage: FidelityStage) -> None:
+        self.tokenizer = tokenizer
+        self.stage = stage
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_fidelity",
+            str,
+            "check",
+            "Token fidelity checks of each call against polar_tokenizer, after the harness has "
+            "its reply: off; check (flag bpe_resplit, template_rerender, reasoning_dropped, "
+            "tool_args_reserialized, special_tokens, count_mismatch in fidelity_flags, with "
+            "positions in fidelity_json); strict (also mark every trace of a rollout with a "
+            "drift not trainable).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if not {"polar_fidelity", "polar_tokenizer"} & updated:
+            return
+        mode = ctx.options.polar_fidelity.strip().lower()
+        if mode not in FIDELITY_MODES:
+            _errors.fail(
+                f"polar_fidelity: {ctx.options.polar_fidelity!r} is not one of "
+                f"{', '.join(FIDELITY_MODES)}"
+            )
+            return
+        self.stage.configure(mode, self.tokenizer.tokenizer)
+
+    def running(self) -> None:
+        log.info("polar-mitm: %s", describe_fidelity(self.stage.mode, self.stage.tokenizer))
+
+    def call_finished(self, record: CallRecord) -> None:
+        self.stage.call_finished(record)
+
+    async def done(self) -> None:
+        # Runs after the capture and the no-ids fallback have handed over their last records
+        # and before the trajectories write the open rollouts (addon order).
+        await self.stage.drain()
+        self.stage.close()
 
 
 class RetokenizeAddon:
@@ -877,15 +927,27 @@ def polar_addons() -> list[object]:
     store = StoreAddon()
     state = ControlState()
     trajectory = TrajectoryAddon(store, state)
+    # merge, then fidelity checks (worker), then the store
+    fidelity = FidelityAddon(tokenizer, FidelityStage(trajectory.rollouts, [store]))
     capture = CaptureAddon(
         identity,
-        sinks=[state, store, trajectory],
+        sinks=[state, fidelity],
         retokenize=retokenize,
         control=state,
         tokenizer=tokenizer,
     )
     control = ControlAddon(state, trajectory.rollouts)
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
-    # calls, then pending retokenizations drain, the trajectories write the open rollouts, and
-    # only then does the store close.
-    return [ProxySetup(), identity, tokenizer, control, capture, retokenize, trajectory, store]
+    # calls, then pending retokenizations and fidelity checks drain, the trajectories write the
+    # open rollouts, and only then does the store close.
+    return [
+        ProxySetup(),
+        identity,
+        tokenizer,
+        control,
+        capture,
+        retokenize,
+        fidelity,
+        trajectory,
+        store,
+    ]

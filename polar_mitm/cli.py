@@ -498,6 +498,7 @@ def _register_optional() -> None:
 
 
 _register_optional()
+main.add_command(__import__("polar_mitm.fidelity_report", fromlist=["fidelity"]).fidelity)
 
 if __name__ == "__main__":
     main()

@@ -220,7 +220,7 @@ class ControlAPI:
                 rollout = self.rollouts.get(rollout_id)
                 if rollout is None:
                     raise _Refused(404, f"no rollout {rollout_id!r} is open or recently ended")
-                return rollout.summary(self.rollouts.allow)
+                return rollout.summary(self.rollouts.allow, self.rollouts.strict)
             if action == "traces":
                 _method(method, "GET")
                 return self.rollouts.traces_json(rollout_id)
@@ -230,7 +230,7 @@ class ControlAPI:
                 rollout = self.rollouts.end(
                     rollout_id, reward=data.get("reward"), status=data.get("status", "completed")
                 )
-                return rollout.summary(self.rollouts.allow)
+                return rollout.summary(self.rollouts.allow, self.rollouts.strict)
         raise _Refused(404, f"no control endpoint /v1/{'/'.join(parts)}")
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .capture import CallRecord, now_us
+from .drift import trace_summary
 from .trajectory import CallFacts, Merger, Placement, TraceMeta, trace_row, untrainable_reasons
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,9 @@ class Rollout:
             self.unmerged.append((record.call_id, f"no token ids (unusable: {e})"))
             return None
 
-    def rows(self, allow: frozenset[str]) -> list[dict[str, Any]]:
+    def rows(
+        self, allow: frozenset[str], strict: frozenset[str] = frozenset()
+    ) -> list[dict[str, Any]]:
         meta = TraceMeta(
             rollout_id=self.rollout_id,
             group_id=self.group_id,
@@ -105,14 +108,19 @@ class Rollout:
         )
         return [
             trace_row(
-                chain, meta, untrainable_reasons(chain.calls, self.calls, allow, self.unmerged)
+                chain,
+                meta,
+                untrainable_reasons(chain.calls, self.calls, allow, self.unmerged, strict),
+                trace_summary(chain.calls, self.calls),
             )
             for chain in self.merger.chains
         ]
 
-    def summary(self, allow: frozenset[str] = frozenset()) -> dict[str, Any]:
+    def summary(
+        self, allow: frozenset[str] = frozenset(), strict: frozenset[str] = frozenset()
+    ) -> dict[str, Any]:
         chains = self.merger.chains
-        reasons = untrainable_reasons((), self.calls, allow, self.unmerged)
+        reasons = untrainable_reasons((), self.calls, allow, self.unmerged, strict)
         return {
             "rollout_id": self.rollout_id,
             "group_id": self.group_id,
@@ -152,19 +160,32 @@ class Rollouts:
         self.keep_ended = keep_ended
         self.allow = allow
         self.clock = clock
+        # drift flags that make a whole rollout untrainable (polar_fidelity=strict)
+        self.strict: frozenset[str] = frozenset()
         self.open: dict[str, Rollout] = {}
         self.ended: OrderedDict[str, Rollout] = OrderedDict()
 
     # -- calls ----------------------------------------------------------------------------------
 
-    def call_finished(self, record: CallRecord) -> None:
+    def call_finished(self, record: CallRecord) -> tuple[Rollout, Placement | None]:
+        """Merge the call into its rollout; returns the rollout and where the call went."""
         rollout = self.open.get(record.rollout_id)
         if rollout is None:
             rollout = Rollout(
                 record.rollout_id, record.group_id, record.sample_index, self.proxy_id, self.clock()
             )
             self.open[record.rollout_id] = rollout
-        rollout.add(record, self.clock())
+        return rollout, rollout.add(record, self.clock())
+
+    def rewrite(self, rollout: Rollout) -> None:
+        """Write an ended rollout's traces again, as a new revision: what its calls say changed
+        after it ended (fidelity findings that arrived late)."""
+        if rollout.state != "ended":
+            return
+        rollout.revision += 1
+        rows = rollout.rows(self.allow, self.strict)
+        if rows:
+            self.write(rows)
 
     # -- ending ---------------------------------------------------------------------------------
 
@@ -194,7 +215,7 @@ class Rollouts:
         self.ended.move_to_end(rollout_id)
         while len(self.ended) > self.keep_ended:
             self.ended.popitem(last=False)
-        rows = rollout.rows(self.allow)
+        rows = rollout.rows(self.allow, self.strict)
         if rows:
             self.write(rows)
         log.info(
@@ -237,7 +258,7 @@ class Rollouts:
     def listing(self, group: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
         rollouts = [*self.ended.values(), *self.open.values()]
         return [
-            r.summary(self.allow)
+            r.summary(self.allow, self.strict)
             for r in rollouts
             if (group is None or r.group_id == group) and (state is None or r.state == state)
         ]
@@ -268,8 +289,8 @@ class Rollouts:
         if rollout is None:
             raise RolloutError(f"no rollout {rollout_id!r} is open or recently ended", 404)
         return {
-            "rollout": rollout.summary(self.allow),
-            "traces": [_jsonable(r) for r in rollout.rows(self.allow)],
+            "rollout": rollout.summary(self.allow, self.strict),
+            "traces": [_jsonable(r) for r in rollout.rows(self.allow, self.strict)],
         }
 
 

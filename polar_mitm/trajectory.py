@@ -68,6 +68,9 @@ class CallFacts:
     policy_version_end: str | None = None
     error: str | None = None
     trainable: bool = True  # the capture path's verdict on the call's tokens (record.trainable)
+    # the fidelity checks' findings (fidelity_check.py): {"wrong": {turn call id: tokens},
+    # "turns": {flag: [turn call ids]}}; None when the call was not checked
+    fidelity: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -442,14 +445,17 @@ def untrainable_reasons(
     rollout_calls: Sequence[CallFacts],
     allow: frozenset[str] = frozenset(),
     unmerged: Sequence[tuple[str, str]] = (),
+    strict: frozenset[str] = frozenset(),
 ) -> list[str]:
     """Why a trace must not be trained on; empty when it may.
 
     Rollout-wide: its calls ran under more than one policy version (``policy_mixed``), one of
     them errored (``call_error``) — both waived when `allow` names them (ALLOW_CHOICES) — or a
     completed call has no token ids, so its sampled tokens are missing from the traces
-    (``ids_missing``). Per trace: a call the capture path found untrainable (ids not from the
-    upstream, unless ``polar_trust_retokenized`` vouched for them; fidelity flags).
+    (``ids_missing``), or, with ``polar_fidelity=strict`` (`strict` holds the drift flags), a
+    call of the rollout carries one of them (``fidelity_strict``). Per trace: a call the capture
+    path found untrainable (ids not from the upstream, unless ``polar_trust_retokenized``
+    vouched for them; fidelity flags).
     """
     reasons: list[str] = []
     versions: list[str | None] = []
@@ -469,6 +475,12 @@ def untrainable_reasons(
         if why.startswith("no token ids"):
             reasons.append(f"ids_missing: call {call_id} is in no trace ({why})")
             break
+    if strict:
+        for c in rollout_calls:
+            hit = [f for f in c.flags if f in strict]
+            if hit:
+                reasons.append(f"fidelity_strict: call {c.call_id} flagged {','.join(hit)}")
+                break
     for c in chain_calls:
         if not c.trainable:
             what = [f"ids_source={c.ids_source}"] if c.ids_source != "upstream" else []
@@ -493,7 +505,9 @@ class TraceMeta:
     extra_flags: list[str] = field(default_factory=list)
 
 
-def trace_row(chain: Chain, meta: TraceMeta, reasons: Sequence[str]) -> dict[str, Any]:
+def trace_row(
+    chain: Chain, meta: TraceMeta, reasons: Sequence[str], fidelity: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One `traces/` row (store.schema.TRACES_SCHEMA). The arrays are the chain's own: the
     chain must not change afterwards (the store reads them from its journal thread)."""
     versions: list[str] = []
@@ -527,7 +541,7 @@ def trace_row(chain: Chain, meta: TraceMeta, reasons: Sequence[str]) -> dict[str
         "num_env_tokens": len(chain) - policy,
         "policy_versions": versions,
         "fidelity_flags": flags,
-        "fidelity_json": None,
+        "fidelity_json": json.dumps(fidelity) if fidelity else None,
         "reward": meta.reward,
         "status": meta.status,
         "trainable": not reasons,

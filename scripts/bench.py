@@ -387,6 +387,12 @@ def inprocess_figures(args: argparse.Namespace) -> dict:
         out.update(bench_merge.figures(smoke=args.smoke))
     except Exception as e:
         out["merge"] = f"n/a ({type(e).__name__}: {e})"
+    try:
+        import bench_fidelity  # noqa: PLC0415
+
+        out.update(bench_fidelity.figures(smoke=args.smoke))
+    except Exception as e:
+        out["fidelity"] = f"n/a ({type(e).__name__}: {e})"
     return out
 
 

@@ -35,3 +35,4 @@ def test_bench_smoke(tmp_path):
     assert results["columns"]["polar-mitm"]["throughput"]["cpu_s_per_1k_calls"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "added latency p50 ms (1 conc)" in proc.stdout
+    assert results["inprocess"]["fidelity_check_vs_off"] > 1  # scripts/bench_fidelity.py

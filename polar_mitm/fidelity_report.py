@@ -1,0 +1,270 @@
+"""`polar-mitm fidelity DIR`: what a retokenize-the-text pipeline would have trained on.
+
+Reads the `calls/` shards under DIR (polar_output) and prints, per harness dialect and
+harness, the calls checked, the calls carrying each fidelity flag, and the headline: the share
+of policy (sampled) tokens that a pipeline rebuilding token ids from the text would have got
+wrong. A sampled turn's wrong tokens are the ones outside the stretches its sampled ids share
+with the ids that pipeline gets — the text decoded and encoded again (found on the call
+itself), or the turn as the chat template re-rendered it into a later prompt (found on the
+later call, `fidelity_json.wrong_tokens` names the turn). Each turn counts once, with the
+largest count any check found; it is grouped with the call that sampled it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .drift import FLAGS
+
+_UA_RULES = (
+    (re.compile(r"codex", re.I), "codex"),
+    (re.compile(r"claude-cli|claude-code", re.I), "claude-code"),
+    (re.compile(r"pi-coding-agent|\bpi/", re.I), "pi"),
+    (re.compile(r"^OpenAI/Python", re.I), "openai-python"),
+    (re.compile(r"^OpenAI/JS", re.I), "openai-js"),
+)
+
+
+def harness_of(headers_json: str | None) -> str:
+    """The harness, from the request's User-Agent (codex, claude-code, pi, SDK name, …)."""
+    try:
+        headers = json.loads(headers_json or "{}")
+    except ValueError:
+        headers = {}
+    ua = str(headers.get("user-agent", "")) if isinstance(headers, dict) else ""
+    for pattern, name in _UA_RULES:
+        if pattern.search(ua):
+            return name
+    product = ua.split("/", 1)[0].split(" ", 1)[0].strip().lower()
+    return product or "unknown"
+
+
+@dataclass(slots=True)
+class Group:
+    dialect: str
+    harness: str
+    calls: int = 0
+    checked: int = 0
+    policy_tokens: int = 0
+    wrong: int = 0
+    flags: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FLAGS, 0))
+
+    @property
+    def share(self) -> float | None:
+        return self.wrong / self.policy_tokens if self.policy_tokens else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dialect": self.dialect,
+            "harness": self.harness,
+            "calls": self.calls,
+            "checked": self.checked,
+            "flags": dict(self.flags),
+            "policy_tokens": self.policy_tokens,
+            "wrong_policy_tokens": self.wrong,
+            "wrong_share": self.share,
+        }
+
+
+@dataclass(slots=True)
+class Example:
+    call_id: str
+    flag: str
+    detail: dict[str, Any]
+
+
+def fidelity_report(rows: list[dict[str, Any]]) -> tuple[list[Group], Group, list[Example]]:
+    """Per (dialect, harness) groups, the total, and every flag's detail in finishing order."""
+    rows = sorted(rows, key=lambda r: (r.get("finished_at") is None, r.get("finished_at") or 0))
+    group_of: dict[str, tuple[str, str]] = {}
+    groups: dict[tuple[str, str], Group] = {}
+    wrong: dict[str, int] = {}
+    examples: list[Example] = []
+    for row in rows:
+        key = (row.get("dialect") or "unknown", harness_of(row.get("headers_json")))
+        group = groups.setdefault(key, Group(*key))
+        group.calls += 1
+        group_of[row["call_id"]] = key
+        data = _json(row.get("fidelity_json"))
+        if "checked" not in data:
+            continue
+        group.checked += 1
+        group.policy_tokens += len(row.get("output_token_ids") or ())
+        for flag in row.get("fidelity_flags") or ():
+            if flag in group.flags:
+                group.flags[flag] += 1
+                if isinstance(data.get(flag), dict):
+                    examples.append(Example(row["call_id"], flag, data[flag]))
+        for turn, n in (data.get("wrong_tokens") or {}).items():
+            wrong[turn] = max(wrong.get(turn, 0), int(n))
+    for turn, n in wrong.items():
+        key = group_of.get(turn)
+        if key is not None:
+            groups[key].wrong += n
+    total = Group("all", "all")
+    for g in groups.values():
+        total.calls += g.calls
+        total.checked += g.checked
+        total.policy_tokens += g.policy_tokens
+        total.wrong += g.wrong
+        for flag, n in g.flags.items():
+            total.flags[flag] += n
+    return sorted(groups.values(), key=lambda g: (g.dialect, g.harness)), total, examples
+
+
+def _json(text: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.2f}%"
+
+
+def _table(groups: list[Group], total: Group, directory: str) -> Table:
+    table = Table(title=f"polar-mitm token fidelity: {directory}")
+    table.add_column("dialect")
+    table.add_column("harness")
+    for name in ("calls", "checked", *FLAGS, "policy tokens", "wrong", "wrong %"):
+        table.add_column(name.replace("_", " "), justify="right")
+
+    def row(g: Group) -> list[str]:
+        return [
+            g.dialect,
+            g.harness,
+            str(g.calls),
+            str(g.checked),
+            *(str(g.flags[f]) for f in FLAGS),
+            str(g.policy_tokens),
+            str(g.wrong),
+            _pct(g.share),
+        ]
+
+    for g in groups:
+        table.add_row(*row(g))
+    table.add_section()
+    table.add_row(*row(total))
+    return table
+
+
+def _show(tokens: list[str], theirs: list[str], style: str) -> Text:
+    text = Text()
+    for i, token in enumerate(tokens):
+        same = i < len(theirs) and theirs[i] == token
+        if i:
+            text.append("|", style="dim")
+        text.append(repr(token)[1:-1] or "·", style="" if same else style)
+    return text
+
+
+def _example_table(ex: Example) -> Table:
+    d = ex.detail
+    where = d.get("turn_call_id")
+    title = f"{ex.flag} in call {ex.call_id}" + (
+        f" (turn of call {where})" if where and where != ex.call_id else ""
+    )
+    facts = [f"{k}={d[k]}" for k in ("part", "in", "position", "offset", "note", "token") if k in d]
+    table = Table(title=title, caption=", ".join(facts), show_lines=False)
+    sampled = [str(t) for t in d.get("sampled", d.get("sampled_ids", []))]
+    other = [str(t) for t in d.get("other", d.get("other_ids", []))]
+    before = [str(t) for t in d.get("before", d.get("before_ids", []))]
+    if ex.flag in ("count_mismatch",) or (
+        ex.flag == "special_tokens" and d.get("part") == "prompt"
+    ):
+        table.add_column("context")
+        table.add_row(Text(d.get("text") or " ".join(repr(t)[1:-1] for t in before)))
+        return table
+    table.add_column("before", style="dim")
+    table.add_column("sampled (the ids the policy generated)")
+    table.add_column("retokenized / re-rendered (what a text pipeline trains on)")
+    table.add_row(
+        Text("|".join(repr(t)[1:-1] for t in before)),
+        _show(sampled, other, "bold red"),
+        _show(other, sampled, "bold green"),
+    )
+    return table
+
+
+def fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+@click.command("fidelity")
+@click.argument("directory", type=click.Path())
+@click.option(
+    "--examples",
+    "n_examples",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Also show the first N flagged differences, sampled vs retokenized tokens side by side.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def fidelity(directory: str, n_examples: int, as_json: bool) -> None:
+    """Token fidelity of the calls captured under DIRECTORY (polar_output): per dialect and
+    harness, the calls checked and flagged, and the share of policy tokens a
+    retokenize-the-text pipeline would have got wrong."""
+    from .store import read_table
+
+    if "://" not in directory and not Path(directory).exists():
+        fail(f"{directory} does not exist")
+    try:
+        calls = read_table(directory, "calls")
+    except (OSError, ValueError) as e:
+        fail(f"cannot read shards under {directory}: {e}")
+    columns = [
+        c
+        for c in (
+            "call_id",
+            "dialect",
+            "headers_json",
+            "finished_at",
+            "output_token_ids",
+            "fidelity_flags",
+            "fidelity_json",
+        )
+        if c in calls.column_names
+    ]
+    rows = calls.select(columns).to_pylist()
+    if not rows:
+        fail(f"no captured calls under {directory}")
+    groups, total, examples = fidelity_report(rows)
+    if as_json:
+        out = {
+            "groups": [g.as_dict() for g in groups],
+            "total": total.as_dict(),
+            "examples": [
+                {"call_id": e.call_id, "flag": e.flag, "detail": e.detail}
+                for e in examples[:n_examples]
+            ],
+        }
+        click.echo(json.dumps(out, indent=2, default=str))
+        return
+    console = Console()
+    console.print(_table(groups, total, directory))
+    if total.checked == 0:
+        console.print(
+            "No call was checked (polar_fidelity=off, or the records predate the checks)."
+        )
+    else:
+        console.print(
+            f"A retokenize-the-text pipeline would have got [bold]{total.wrong}[/bold] of "
+            f"{total.policy_tokens} policy tokens wrong: [bold]{_pct(total.share)}[/bold] "
+            f"({sum(1 for _ in examples)} flagged differences in {total.checked} checked calls)."
+        )
+    for ex in examples[:n_examples]:
+        console.print(_example_table(ex))
