@@ -2,10 +2,32 @@
 # The whole capture path on this machine, no GPU: the reference policy server (vLLM wire format,
 # real Qwen3 tokenizer), mitmdump with the addon, a real multi-turn tool-calling session through
 # HTTPS_PROXY with the generated CA, then the summary of what was captured.
+#
+#   --real        a real model instead of scripted turns: SmolLM2-135M-Instruct sampled by llama.cpp
+#                 (POLAR_DEMO_REAL=1 does the same); a GRPO group of 4 chat rollouts
+#   --dequantize  with --real: run the GGUF's weights dequantized to F32 (the trainer's arithmetic)
+#   --train       with --real: then the trainer's check (scripts/train_check.py in .venv-trainer:
+#                 logprobs recomputed with transformers, one GRPO step)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0
+for arg in "$@"; do
+    case "$arg" in
+        --real) REAL=1 ;;
+        --dequantize) DEQUANTIZE=1 ;;
+        --train) TRAIN=1 ;;
+        *) echo "usage: $0 [--real [--dequantize] [--train]]" >&2; exit 2 ;;
+    esac
+done
+if [ "$REAL" != 1 ] && { [ "$DEQUANTIZE" = 1 ] || [ "$TRAIN" = 1 ]; }; then
+    echo "error: --dequantize and --train go with --real" >&2; exit 2
+fi
 source scripts/_python.sh
 polar_venv .venv test
+if [ "$REAL" = 1 ]; then
+    polar_realmodel .venv
+    [ "$TRAIN" = 1 ] && polar_trainer_venv .venv-trainer
+fi
 export PATH="$PWD/.venv/bin:$PATH"
 
 OUT="${POLAR_DEMO_OUT:-$(mktemp -d -t polar-demo-XXXXXX)}"
@@ -26,8 +48,17 @@ wait_for() {  # wait_for FILE PATTERN SECONDS
 }
 free_port() { python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
-polar-mitm policy-server --port 0 >"$LOGS/policy.log" 2>&1 &
+SERVER_ARGS=() MITM_ARGS=()
+if [ "$REAL" = 1 ]; then
+    GGUF="$(python -c 'from polar_mitm.assets import smollm2_gguf; print(smollm2_gguf())')"
+    SERVER_ARGS=(--real --default-max-tokens 64)
+    [ "$DEQUANTIZE" = 1 ] && SERVER_ARGS+=(--dequantize)
+    MITM_ARGS=(--set "polar_tokenizer=gguf:$GGUF")
+    echo "== starting the reference policy server with a real model (SmolLM2-135M-Instruct, llama.cpp${DEQUANTIZE:+, }$([ "$DEQUANTIZE" = 1 ] && echo "F32 weights" || echo "Q4_1 weights"))"
+else
+    echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
+fi
+polar-mitm policy-server --port 0 "${SERVER_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
 PIDS+=($!)
 wait_for "$LOGS/policy.log" "listening on" 120
 UPSTREAM="$(grep -o 'http://[0-9.:]*' "$LOGS/policy.log" | head -1)"
@@ -36,11 +67,30 @@ PORT="$(free_port)"
 echo "== starting mitmdump -s addons/polar.py on 127.0.0.1:$PORT -> $UPSTREAM"
 mitmdump -s addons/polar.py --listen-host 127.0.0.1 --listen-port "$PORT" \
     --set confdir=certs --set polar_upstream="$UPSTREAM" --set polar_output="$OUT/data" \
-    >"$LOGS/mitmdump.log" 2>&1 &
+    "${MITM_ARGS[@]}" >"$LOGS/mitmdump.log" 2>&1 &
 MITM=$!
 PIDS+=($MITM)
 wait_for "$LOGS/mitmdump.log" "polar-mitm: capturing" 60
 
+if [ "$REAL" = 1 ]; then
+    echo "== four rollouts of GRPO group demo-real (openai SDK chats via HTTPS_PROXY, real sampling)"
+    for i in 0 1 2 3; do
+        (
+            eval "$(polar-mitm env --proxy "http://127.0.0.1:$PORT" --rollout "demo-real.$i")"
+            export OPENAI_API_KEY="polar-demo-real.$i"
+            python scripts/demo_chat.py --rollout "demo-real.$i" --rewards "$OUT/rewards.json"
+        )
+    done
+    kill -INT "$MITM"; wait "$MITM" || true
+    echo "== captured under $OUT/data"
+    polar-mitm summary "$OUT/data"
+    if [ "$TRAIN" = 1 ]; then
+        echo "== the trainer's check (.venv-trainer: transformers + torch $(.venv-trainer/bin/python -c 'import torch; print(torch.__version__)'))"
+        .venv-trainer/bin/python scripts/train_check.py "$OUT/data" --rewards "$OUT/rewards.json" \
+            --report "$OUT/train_check.json"
+    fi
+    exit 0
+fi
 echo "== harness environment (polar-mitm env --proxy http://127.0.0.1:$PORT --rollout demo-task.0)"
 ENV_LINES="$(polar-mitm env --proxy "http://127.0.0.1:$PORT" --rollout demo-task.0)"
 echo "$ENV_LINES" | sed 's/^/   /'

@@ -133,7 +133,7 @@ async def _serve(config, host: str, port: int, real=None) -> None:
     "--threads",
     type=click.IntRange(min=1),
     default=None,
-    help="Real-model mode: llama.cpp threads.",
+    help="Real-model mode: llama.cpp threads (default: half the cores).",
 )
 @click.option(
     "--seed",

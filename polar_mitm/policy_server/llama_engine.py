@@ -178,7 +178,9 @@ class LlamaEngine:
         self.dequantized = self.model_path != self.source
         trained = self.info.context_length or 2048
         self.n_ctx = min(n_ctx or trained, trained)
-        threads = threads or min(2, os.cpu_count() or 1)
+        # half the cores, as llama.cpp does: its threads spin while they wait, so using every core
+        # of a shared machine makes decoding several times slower, not faster
+        threads = threads or max(1, (os.cpu_count() or 2) // 2)
         try:
             self.llm = llama_cpp.Llama(
                 str(self.model_path),

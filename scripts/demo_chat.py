@@ -1,0 +1,54 @@
+"""One rollout of a multi-turn chat with the official openai SDK, for the real-model demo.
+
+Like demo_session.py it talks to https://api.openai.com/v1 and knows nothing of polar-mitm: the
+environment (`polar-mitm env --rollout ...`) sends it through the proxy. A 135M model does not call
+tools usefully, so this is a plain conversation whose replies go back into the history, as a
+harness does. With --rewards FILE it adds {rollout id: reward} to FILE: a stand-in grader that
+prefers short final answers, so a GRPO group gets different rewards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import openai
+
+TURNS = ["Give me one tip for writing clear Python.", "Now say it in five words or fewer."]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rollout", required=True, help="the rollout id (for the reward file)")
+    ap.add_argument("--rewards", type=Path, default=None)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    args = ap.parse_args()
+    client = openai.OpenAI(base_url="https://api.openai.com/v1", max_retries=0)
+    messages: list[dict] = []
+    reply = ""
+    for turn, user in enumerate(TURNS, 1):
+        messages.append({"role": "user", "content": user})
+        parts = []
+        stream = client.chat.completions.create(
+            model="gpt-4.1-mini", messages=messages, stream=True, max_tokens=args.max_tokens
+        )
+        for chunk in stream:
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+        reply = "".join(parts)
+        print(f"  [{args.rollout}] user: {user}\n  [{args.rollout}] model: {reply.strip()}")
+        messages.append({"role": "assistant", "content": reply})
+    if args.rewards is not None:
+        rewards = json.loads(args.rewards.read_text()) if args.rewards.exists() else {}
+        rewards[args.rollout] = -float(len(reply.split()))
+        tmp = args.rewards.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rewards, indent=1))
+        os.replace(tmp, args.rewards)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
