@@ -193,8 +193,10 @@ def test_engine_steps_are_log_softmax_of_the_logits(gguf):
 
 
 @pytest.fixture
-def real_server(make_policy_server):
+def real_server(make_policy_server, monkeypatch):
     need(HAVE_LLAMA and HAVE_MODEL, "the realmodel extra is not installed")
+    # --dequantize's F32 copy (540 MB, written once) stays in the checkout's ignored .cache/
+    monkeypatch.setenv("POLAR_CACHE_DIR", str(ROOT / ".cache" / "models"))
 
     def start(*extra: str):
         return make_policy_server(None, "--real", "--threads", "1", *extra)
@@ -503,6 +505,7 @@ def _train_check(data: Path, reward_file: Path, report: Path, *flags: str) -> di
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_trainer_check_on_the_dequantized_engine(real_server, make_mitm, tmp_path):
     """llama.cpp on the GGUF's weights dequantized to F32 = the trainer's arithmetic: the captured
     logprobs are recomputed almost exactly and the importance ratios at step 0 are ~1."""
@@ -531,6 +534,7 @@ def test_trainer_check_on_the_dequantized_engine(real_server, make_mitm, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_trainer_check_on_the_quantized_engine(real_server, make_mitm, tmp_path):
     """llama.cpp on the Q4_1 weights (8-bit activations in its dot products) vs the trainer's
     float32 dequantized model: a real but small gap (docs/realmodel.md has the figures). The bounds
