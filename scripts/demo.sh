@@ -53,8 +53,9 @@ if [ "$REAL" = 1 ]; then
     GGUF="$(python -c 'from polar_mitm.assets import smollm2_gguf; print(smollm2_gguf())')"
     SERVER_ARGS=(--real --default-max-tokens 64)
     [ "$DEQUANTIZE" = 1 ] && SERVER_ARGS+=(--dequantize)
-    MITM_ARGS=(--set "polar_tokenizer=gguf:$GGUF")
-    echo "== starting the reference policy server with a real model (SmolLM2-135M-Instruct, llama.cpp${DEQUANTIZE:+, }$([ "$DEQUANTIZE" = 1 ] && echo "F32 weights" || echo "Q4_1 weights"))"
+    CONTROL_TOKEN="demo-$RANDOM$RANDOM"
+    MITM_ARGS=(--set "polar_tokenizer=gguf:$GGUF" --set "polar_control_token=$CONTROL_TOKEN")
+    echo "== starting the reference policy server with a real model (SmolLM2-135M-Instruct, llama.cpp, $([ "$DEQUANTIZE" = 1 ] && echo "F32 weights" || echo "Q4_1 weights"))"
 else
     echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
 fi
@@ -78,7 +79,7 @@ if [ "$REAL" = 1 ]; then
         (
             eval "$(polar-mitm env --proxy "http://127.0.0.1:$PORT" --rollout "demo-real.$i")"
             export OPENAI_API_KEY="polar-demo-real.$i"
-            python scripts/demo_chat.py --rollout "demo-real.$i" --rewards "$OUT/rewards.json"
+            python scripts/demo_chat.py --rollout "demo-real.$i" --control-token "$CONTROL_TOKEN"
         )
     done
     kill -INT "$MITM"; wait "$MITM" || true
@@ -86,8 +87,7 @@ if [ "$REAL" = 1 ]; then
     polar-mitm summary "$OUT/data"
     if [ "$TRAIN" = 1 ]; then
         echo "== the trainer's check (.venv-trainer: transformers + torch $(.venv-trainer/bin/python -c 'import torch; print(torch.__version__)'))"
-        .venv-trainer/bin/python scripts/train_check.py "$OUT/data" --rewards "$OUT/rewards.json" \
-            --report "$OUT/train_check.json"
+        .venv-trainer/bin/python scripts/train_check.py "$OUT/data" --report "$OUT/train_check.json"
     fi
     exit 0
 fi

@@ -3,8 +3,9 @@
 Like demo_session.py it talks to https://api.openai.com/v1 and knows nothing of polar-mitm: the
 environment (`polar-mitm env --rollout ...`) sends it through the proxy. A 135M model does not call
 tools usefully, so this is a plain conversation whose replies go back into the history, as a
-harness does. With --rewards FILE it adds {rollout id: reward} to FILE: a stand-in grader that
-prefers short final answers, so a GRPO group gets different rewards.
+harness does. At the end the "environment" grades it (a stand-in grader that prefers short final
+answers, so a GRPO group gets different rewards) and ends the rollout with that reward through the
+proxy's control plane (--control-token), as a trainer would; --rewards FILE also records it there.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ def main() -> int:
     ap.add_argument("--rollout", required=True, help="the rollout id (for the reward file)")
     ap.add_argument("--rewards", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--control-token", default=None, help="end the rollout with its reward")
     args = ap.parse_args()
     client = openai.OpenAI(base_url="https://api.openai.com/v1", max_retries=0)
     messages: list[dict] = []
     reply = ""
-    for turn, user in enumerate(TURNS, 1):
+    for user in TURNS:
         messages.append({"role": "user", "content": user})
         parts = []
         stream = client.chat.completions.create(
@@ -41,9 +43,16 @@ def main() -> int:
         reply = "".join(parts)
         print(f"  [{args.rollout}] user: {user}\n  [{args.rollout}] model: {reply.strip()}")
         messages.append({"role": "assistant", "content": reply})
+    reward = -float(len(reply.split()))
+    if args.control_token:
+        from polar_mitm.control import ControlClient
+
+        proxy = os.environ["HTTPS_PROXY"]
+        ended = ControlClient(args.control_token, proxy=proxy).end(args.rollout, reward=reward)
+        print(f"  [{args.rollout}] ended through the control plane: reward {ended['reward']}")
     if args.rewards is not None:
         rewards = json.loads(args.rewards.read_text()) if args.rewards.exists() else {}
-        rewards[args.rollout] = -float(len(reply.split()))
+        rewards[args.rollout] = reward
         tmp = args.rewards.with_suffix(".tmp")
         tmp.write_text(json.dumps(rewards, indent=1))
         os.replace(tmp, args.rewards)

@@ -84,22 +84,27 @@ def _dedupe(rows: list[dict], key: str, revision: str | None = None) -> list[dic
     return [rows[i] for i in keep]
 
 
-def load_sequences(data: Path) -> list[Sequence]:
+def load_sequences(data: Path, source: str = "auto") -> list[Sequence]:
     """The sequences to train on.
 
     ``traces/`` (one row per merged chain): ``input_ids``, ``loss_mask`` (1 = sampled by the policy),
-    ``logprobs`` (aligned, 0 where masked), ``reward``; completed traces only.
-    ``calls/`` when no trace exists yet: one sequence per completed call whose ids came from the
-    server (``ids_source = upstream``): ``prompt_token_ids`` (mask 0) + ``output_token_ids``
-    (mask 1, ``output_logprobs``). A multi-turn rollout is then several sequences sharing one
-    advantage: the per-turn form of GRPO.
+    ``logprobs`` (aligned, 0 where masked), ``reward``; completed, trainable traces only (a rollout
+    ended through the control plane is ``completed``; one the proxy closed at shutdown is
+    ``incomplete``).
+    ``calls/``: one sequence per completed call whose ids came from the server
+    (``ids_source = upstream``): ``prompt_token_ids`` (mask 0) + ``output_token_ids`` (mask 1,
+    ``output_logprobs``). A multi-turn rollout is then several sequences sharing one advantage: the
+    per-turn form of GRPO.
+    ``auto``: traces when there is a completed one, else calls.
     """
-    traces = _read_dataset(data, "traces")
+    traces = _read_dataset(data, "traces") if source in ("auto", "traces") else None
     if traces is not None and traces.num_rows:
         rows = _dedupe(traces.to_pylist(), "trace_id", "revision")
         out = []
         for r in rows:
             if r.get("status") not in (None, "completed") or not r.get("input_ids"):
+                continue
+            if r.get("trainable") is False:
                 continue
             out.append(
                 Sequence(
@@ -113,8 +118,12 @@ def load_sequences(data: Path) -> list[Sequence]:
                     meta={"trace_id": r["trace_id"], "call_ids": r.get("call_ids")},
                 )
             )
-        if out:
+        if out or source == "traces":
+            if not out:
+                raise SystemExit(f"error: no completed, trainable trace under {data}")
             return out
+    elif source == "traces":
+        raise SystemExit(f"error: no traces/ shards under {data}")
     calls = _read_dataset(data, "calls")
     if calls is None:
         raise SystemExit(f"error: no traces/ or calls/ shards under {data}")
@@ -265,9 +274,14 @@ def text_pipeline_check(model, tokenizer, seqs: list[Sequence]) -> dict:
     }
 
 
-def template_check(tokenizer, seqs: list[Sequence]) -> dict | None:
-    """calls/ only: the prompt ids re-rendered from the request's messages with the trainer's
-    tokenizer (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``) equal the captured ones?"""
+def template_check(tokenizer, data: Path) -> dict | None:
+    """Do the calls' prompt ids equal their request's messages re-rendered with the trainer's
+    tokenizer (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``)? Plain-text chat requests
+    only (what a chat template renders without a server's normalization)."""
+    try:
+        seqs = load_sequences(data, "calls")
+    except SystemExit:
+        return None
     checked = equal = 0
     for s in seqs:
         if s.source != "calls" or not s.messages:
@@ -421,6 +435,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="GRPO group to step on (default: the first with --group-size rollouts)",
     )
+    ap.add_argument(
+        "--source",
+        choices=("auto", "traces", "calls"),
+        default="auto",
+        help="traces/ or calls/ (auto: traces when there is a completed one)",
+    )
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--clip", type=float, default=0.2)
@@ -446,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
     gguf = args.gguf or default_gguf()
-    seqs = load_sequences(args.data)
+    seqs = load_sequences(args.data, args.source)
     n_policy = sum(sum(s.loss_mask) for s in seqs)
     print(
         f"read {len(seqs)} sequences ({seqs[0].source}/) with {n_policy} policy tokens from {args.data}"
@@ -466,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "sequences": len(seqs),
         "policy_tokens": n_policy,
     }
-    template = template_check(tokenizer, seqs)
+    template = template_check(tokenizer, args.data)
     if template is not None:
         report["template"] = template
         print(

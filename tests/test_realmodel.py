@@ -442,22 +442,44 @@ def test_multi_turn_through_mitmdump_records_the_sampled_ids(
         ):
             head = prev["prompt_token_ids"] + out
             assert row["prompt_token_ids"][: len(head)] == head
-    traces = _traces(mitm.output)
-    if traces is not None:  # once trajectories are written: mask-1 tokens are the sampled ones
-        sampled = [t for s in samples for t in s["token_ids"]]
-        policy = [
-            t for tr in traces for t, m in zip(tr["input_ids"], tr["loss_mask"], strict=True) if m
-        ]
-        assert policy == sampled
+    # the trace (written at shutdown, the rollout never ended: incomplete): its mask-1 runs are
+    # exactly the sampled outputs, each with its logprobs, every sampled token once
+    traces = read_table(str(mitm.output), "traces").to_pylist()
+    assert traces and all(t["rollout_id"] == "chat.0" for t in traces)
+    runs = sorted(run for t in traces for run in _policy_runs(t))
+    assert runs == sorted((tuple(s["token_ids"]), tuple(s["logprobs"])) for s in samples)
+    # and the trainer's reader sees the same ids (calls/: no completed trace)
+    seqs = _train_check_module().load_sequences(mitm.output)
+    assert [s.source for s in seqs] == ["calls"] * len(samples)
+    assert [[t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m] for s in seqs] == [
+        s["token_ids"] for s in samples
+    ]
 
 
-def _traces(output: Path) -> list[dict] | None:
-    try:
-        table = read_table(str(output), "traces")
-    except (ValueError, FileNotFoundError):
-        return None
-    rows = table.to_pylist()
-    return rows or None
+def _policy_runs(trace: dict) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+    """The contiguous loss_mask-1 stretches of a trace: (ids, logprobs) of one call's output each."""
+    runs, ids, lps = [], [], []
+    for t, m, lp in zip(trace["input_ids"], trace["loss_mask"], trace["logprobs"], strict=True):
+        if m:
+            ids.append(t)
+            lps.append(lp)
+        elif ids:
+            runs.append((tuple(ids), tuple(lps)))
+            ids, lps = [], []
+    if ids:
+        runs.append((tuple(ids), tuple(lps)))
+    return runs
+
+
+def _train_check_module():
+    """scripts/train_check.py's reader (it needs only pyarrow and numpy at import)."""
+    spec = importlib.util.spec_from_file_location(
+        "train_check", ROOT / "scripts" / "train_check.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_check", module)
+    spec.loader.exec_module(module)
+    return module
 
 
 # -- the trainer's side --------------------------------------------------------------------------
@@ -465,23 +487,34 @@ def _traces(output: Path) -> list[dict] | None:
 GROUP_TURNS = ["Give me a one-line tip about Python.", "Shorter, please."]
 
 
-def _run_group(real_server, make_mitm, tmp_path: Path, *extra: str) -> tuple[Path, Path]:
-    """Four rollouts of GRPO group 'tips' (two turns each) through the proxy; a reward file."""
+TOKEN = "trainer-secret"
+
+
+def _run_group(
+    real_server, make_mitm, tmp_path: Path, *extra: str, control: bool
+) -> tuple[Path, dict[str, float]]:
+    """Four rollouts of GRPO group 'tips' (two turns each) through the proxy. Each gets a reward
+    (a stand-in grader: shorter final answers are better), through the control plane when
+    ``control``, else in rewards.json for ``--rewards``."""
+    from polar_mitm.control import ControlClient
+
     server = real_server("--seed", "11", *extra)
-    mitm = make_mitm(server.url)
+    mitm = make_mitm(server.url, polar_control_token=TOKEN)
+    ctl = ControlClient(TOKEN, proxy=mitm.url)
     rewards = {}
     for i in range(4):
         client = openai_client(mitm, api_key=f"polar-tips.{i}")
         _, replies = chat_rollout(client, GROUP_TURNS, stream=i % 2 == 0, max_tokens=24)
-        # a reward a grader could give: shorter final answers are better
         rewards[f"tips.{i}"] = -float(len(replies[-1]["content"]))
+        if control:
+            ctl.end(f"tips.{i}", reward=rewards[f"tips.{i}"])
     assert mitm.stop() == 0, mitm.proc.output()
-    reward_file = tmp_path / "rewards.json"
-    reward_file.write_text(json.dumps(rewards))
-    return mitm.output, reward_file
+    if not control:
+        (tmp_path / "rewards.json").write_text(json.dumps(rewards))
+    return mitm.output, rewards
 
 
-def _train_check(data: Path, reward_file: Path, report: Path, *flags: str) -> dict:
+def _train_check(data: Path, report: Path, *flags: str) -> dict:
     need(
         TRAINER_PYTHON.exists(), f"no trainer venv at {TRAINER_PYTHON} (scripts/test.sh builds it)"
     )
@@ -489,8 +522,6 @@ def _train_check(data: Path, reward_file: Path, report: Path, *flags: str) -> di
         str(TRAINER_PYTHON),
         str(ROOT / "scripts" / "train_check.py"),
         str(data),
-        "--rewards",
-        str(reward_file),
         "--report",
         str(report),
         *flags,
@@ -509,19 +540,16 @@ def _train_check(data: Path, reward_file: Path, report: Path, *flags: str) -> di
 def test_trainer_check_on_the_dequantized_engine(real_server, make_mitm, tmp_path):
     """llama.cpp on the GGUF's weights dequantized to F32 = the trainer's arithmetic: the captured
     logprobs are recomputed almost exactly and the importance ratios at step 0 are ~1."""
-    data, rewards = _run_group(real_server, make_mitm, tmp_path, "--dequantize")
+    data, rewards = _run_group(real_server, make_mitm, tmp_path, "--dequantize", control=True)
     result = _train_check(
-        data,
-        rewards,
-        tmp_path / "report.json",
-        "--max-mean-delta",
-        "0.05",
-        "--min-ratio-in-range",
-        "0.99",
+        data, tmp_path / "report.json", "--max-mean-delta", "0.05", "--min-ratio-in-range", "0.99"
     )
     assert result["returncode"] == 0, result["failed"]
     exact, text = result["exact_ids"], result["text_pipeline"]
-    assert result["sequences"] == 8 and result["template"] == {"checked": 8, "equal": 8}
+    # the traces of the 4 ended rollouts, rewards from the control plane, no reward file
+    assert result["source"] == "traces" and result["sequences"] >= 4
+    assert result["grpo"]["rewards"] == rewards
+    assert result["template"] == {"checked": 8, "equal": 8}
     assert exact["n"] == result["policy_tokens"] > 0
     assert exact["mean"] <= 0.01 and exact["p99"] <= 0.05
     assert text["n"] > 0 and "segments_retokenized_differently" in text
@@ -539,9 +567,18 @@ def test_trainer_check_on_the_quantized_engine(real_server, make_mitm, tmp_path)
     """llama.cpp on the Q4_1 weights (8-bit activations in its dot products) vs the trainer's
     float32 dequantized model: a real but small gap (docs/realmodel.md has the figures). The bounds
     here catch a misalignment, which costs whole nats, not the quantization gap."""
-    data, rewards = _run_group(real_server, make_mitm, tmp_path)
-    result = _train_check(data, rewards, tmp_path / "report.json")
+    data, rewards = _run_group(real_server, make_mitm, tmp_path, control=False)
+    result = _train_check(
+        data,
+        tmp_path / "report.json",
+        "--source",
+        "calls",
+        "--rewards",
+        str(tmp_path / "rewards.json"),
+    )
     assert result["returncode"] == 0, result["failed"]
+    assert result["source"] == "calls" and result["sequences"] == 8
+    assert result["grpo"]["rewards"] == rewards
     exact = result["exact_ids"]
     assert exact["n"] == result["policy_tokens"] > 0
     assert exact["mean"] <= 0.15, exact
