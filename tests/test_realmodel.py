@@ -322,6 +322,28 @@ def test_stream_is_sampled_while_streaming(real_server):
     assert len(samples) == 1 and len(samples[0]["token_ids"]) >= 30
 
 
+def test_client_gone_mid_stream_frees_the_engine(real_server):
+    """A harness that hangs up mid-stream ends that generation; the next request is served whole."""
+    server = real_server()
+    body = {
+        "messages": [{"role": "user", "content": "Count from 1 to 40."}],
+        "stream": True,
+        "return_token_ids": True,
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(ln for ln in lines if ln.startswith("data: "))
+        next(ln for ln in lines if ln.startswith("data: "))
+    # hung up after one token; the same request, now read to the end, is served whole
+    chunks = _stream(server.url, body)
+    ids = [i for c in chunks[1:] if c["choices"] for i in c["choices"][0]["token_ids"]]
+    samples = httpx.get(server.url + "/_polar/samples").json()
+    assert samples[-1]["token_ids"] == ids and len(ids) >= 30
+    assert len(samples[0]["token_ids"]) < len(ids)  # the abandoned one stopped early
+
+
 def test_bad_requests_are_refused_in_vllm_shape(real_server):
     server = real_server()
     msgs = [{"role": "user", "content": "x"}]

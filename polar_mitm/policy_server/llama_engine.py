@@ -30,6 +30,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +200,9 @@ class LlamaEngine:
         self.eos_token_id = self.llm.token_eos()
         self._rng = np.random.default_rng(seed)
         self._busy = False
+        # held while llama.cpp runs: a step still running in a worker thread after its request was
+        # cancelled must finish before the next generation resets the context
+        self._lock = threading.Lock()
 
     def is_eog(self, token_id: int) -> bool:
         return bool(self._is_eog(self._vocab, token_id))
@@ -212,13 +216,14 @@ class LlamaEngine:
         if len(prompt_ids) >= self.n_ctx:
             raise EngineError(f"prompt of {len(prompt_ids)} tokens does not fit n_ctx={self.n_ctx}")
         rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
-        self._busy = True
-        try:
-            self.llm.reset()
-            self.llm.eval(list(prompt_ids))
-        except BaseException:
-            self._busy = False
-            raise
+        with self._lock:
+            self._busy = True
+            try:
+                self.llm.reset()
+                self.llm.eval(list(prompt_ids))
+            except BaseException:
+                self._busy = False
+                raise
         return Generation(self, len(prompt_ids), params, rng)
 
     def _release(self) -> None:
@@ -254,13 +259,14 @@ class Generation:
         if self.closed:
             raise EngineError("generation is closed")
         engine = self.engine
-        if self._pending is not None:
-            engine.llm.eval([self._pending])
-            self.n_past += 1
-            self._pending = None
-        if self.n_past >= engine.n_ctx:
-            raise EngineError("context is full")
-        self.logits = logits = engine.last_logits()
+        with engine._lock:
+            if self._pending is not None:
+                engine.llm.eval([self._pending])
+                self.n_past += 1
+                self._pending = None
+            if self.n_past >= engine.n_ctx:
+                raise EngineError("context is full")
+            self.logits = logits = engine.last_logits()
         token = sample_token(logits, self.params, self._rng)
         logprob = float(np.float32(_log_softmax(logits)[token]))
         self._pending = token
