@@ -159,7 +159,8 @@ class TokenizerAddon:
             str,
             "",
             "Policy tokenizer for fidelity checks and count_tokens: a local Hugging Face tokenizer "
-            "dir (with its chat template), or tiktoken:<encoding name or .tiktoken file>.",
+            "dir (with its chat template), tiktoken:<encoding name or .tiktoken file>, or "
+            "gguf:<model.gguf> (the tokenizer and chat template inside a GGUF model file).",
         )
 
     def configure(self, updated: set[str]) -> None:

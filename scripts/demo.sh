@@ -5,10 +5,32 @@
 # The session is a real harness, Pi (the pinned npm package, unmodified), when Node.js and npm
 # are here; otherwise an openai-SDK session (scripts/demo_session.py). POLAR_DEMO_SESSION=sdk
 # forces the SDK session.
+#
+#   --real        a real model instead of scripted turns: SmolLM2-135M-Instruct sampled by llama.cpp
+#                 (POLAR_DEMO_REAL=1 does the same); a GRPO group of 4 chat rollouts
+#   --dequantize  with --real: run the GGUF's weights dequantized to F32 (the trainer's arithmetic)
+#   --train       with --real: then the trainer's check (scripts/train_check.py in .venv-trainer:
+#                 logprobs recomputed with transformers, one GRPO step)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0
+for arg in "$@"; do
+    case "$arg" in
+        --real) REAL=1 ;;
+        --dequantize) DEQUANTIZE=1 ;;
+        --train) TRAIN=1 ;;
+        *) echo "usage: $0 [--real [--dequantize] [--train]]" >&2; exit 2 ;;
+    esac
+done
+if [ "$REAL" != 1 ] && { [ "$DEQUANTIZE" = 1 ] || [ "$TRAIN" = 1 ]; }; then
+    echo "error: --dequantize and --train go with --real" >&2; exit 2
+fi
 source scripts/_python.sh
 polar_venv .venv test
+if [ "$REAL" = 1 ]; then
+    polar_realmodel .venv
+    [ "$TRAIN" = 1 ] && polar_trainer_venv .venv-trainer
+fi
 export PATH="$PWD/.venv/bin:$PATH"
 
 OUT="${POLAR_DEMO_OUT:-$(mktemp -d -t polar-demo-XXXXXX)}"
@@ -29,41 +51,66 @@ wait_for() {  # wait_for FILE PATTERN SECONDS
 }
 free_port() { python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-SESSION="${POLAR_DEMO_SESSION:-}"
-if [ -z "$SESSION" ]; then
-    SESSION=sdk
-    if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then
-        echo "== installing the pinned harnesses (scripts/install_harnesses.sh)"
-        if HARNESS_BIN="$(./scripts/install_harnesses.sh)"; then
-            SESSION=pi
-        else
-            echo "   (could not install them: the demo uses the openai-SDK session instead)"
+# The trainer's token for the control plane (ending rollouts with a reward); never on disk.
+CONTROL_TOKEN="$(python -c 'import secrets; print(secrets.token_hex(16))')"
+export POLAR_DEMO_CONTROL_TOKEN="$CONTROL_TOKEN"
+SERVER_ARGS=() MITM_ARGS=(--set "polar_control_token=$CONTROL_TOKEN")
+if [ "$REAL" = 1 ]; then
+    GGUF="$(python -c 'from polar_mitm.assets import smollm2_gguf; print(smollm2_gguf())')"
+    SERVER_ARGS=(--real --default-max-tokens 64)
+    [ "$DEQUANTIZE" = 1 ] && SERVER_ARGS+=(--dequantize)
+    MITM_ARGS+=(--set "polar_tokenizer=gguf:$GGUF")
+    echo "== starting the reference policy server with a real model (SmolLM2-135M-Instruct, llama.cpp, $([ "$DEQUANTIZE" = 1 ] && echo "F32 weights" || echo "Q4_1 weights"))"
+else
+    SESSION="${POLAR_DEMO_SESSION:-}"
+    if [ -z "$SESSION" ]; then
+        SESSION=sdk
+        if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then
+            echo "== installing the pinned harnesses (scripts/install_harnesses.sh)"
+            if HARNESS_BIN="$(./scripts/install_harnesses.sh)"; then
+                SESSION=pi
+            else
+                echo "   (could not install them: the demo uses the openai-SDK session instead)"
+            fi
         fi
+    elif [ "$SESSION" = pi ]; then
+        HARNESS_BIN="$(./scripts/install_harnesses.sh)"
     fi
-elif [ "$SESSION" = pi ]; then
-    HARNESS_BIN="$(./scripts/install_harnesses.sh)"
+    [ "$SESSION" = pi ] && SERVER_ARGS=(--scenario tests/e2e/scenarios/harnesses.json)
+    echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
 fi
-SCENARIO_ARGS=()
-[ "$SESSION" = pi ] && SCENARIO_ARGS=(--scenario tests/e2e/scenarios/harnesses.json)
-
-echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
-polar-mitm policy-server --port 0 "${SCENARIO_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
+polar-mitm policy-server --port 0 "${SERVER_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
 PIDS+=($!)
 wait_for "$LOGS/policy.log" "listening on" 120
 UPSTREAM="$(grep -o 'http://[0-9.:]*' "$LOGS/policy.log" | head -1)"
 
 PORT="$(free_port)"
-# The trainer's token for the control plane (ending the rollout with a reward); never on disk.
-export POLAR_DEMO_CONTROL_TOKEN="$(python -c 'import secrets; print(secrets.token_hex(16))')"
 echo "== starting mitmdump -s addons/polar.py on 127.0.0.1:$PORT -> $UPSTREAM"
 mitmdump -s addons/polar.py --listen-host 127.0.0.1 --listen-port "$PORT" \
     --set confdir=certs --set polar_upstream="$UPSTREAM" --set polar_output="$OUT/data" \
-    --set polar_control_token="$POLAR_DEMO_CONTROL_TOKEN" \
-    >"$LOGS/mitmdump.log" 2>&1 &
+    "${MITM_ARGS[@]}" >"$LOGS/mitmdump.log" 2>&1 &
 MITM=$!
 PIDS+=($MITM)
 wait_for "$LOGS/mitmdump.log" "polar-mitm: capturing" 60
 
+if [ "$REAL" = 1 ]; then
+    echo "== four rollouts of GRPO group demo-real (openai SDK chats via HTTPS_PROXY, real sampling)"
+    for i in 0 1 2 3; do
+        (
+            eval "$(polar-mitm env --proxy "http://127.0.0.1:$PORT" --rollout "demo-real.$i")"
+            export OPENAI_API_KEY="polar-demo-real.$i"
+            python scripts/demo_chat.py --rollout "demo-real.$i" --control-token "$CONTROL_TOKEN"
+        )
+    done
+    kill -INT "$MITM"; wait "$MITM" || true
+    echo "== captured under $OUT/data"
+    polar-mitm summary "$OUT/data"
+    if [ "$TRAIN" = 1 ]; then
+        echo "== the trainer's check (.venv-trainer: transformers + torch $(.venv-trainer/bin/python -c 'import torch; print(torch.__version__)'))"
+        .venv-trainer/bin/python scripts/train_check.py "$OUT/data" --report "$OUT/train_check.json"
+    fi
+    exit 0
+fi
 echo "== harness environment (polar-mitm env --proxy http://127.0.0.1:$PORT --rollout demo-task.0)"
 ENV_LINES="$(polar-mitm env --proxy "http://127.0.0.1:$PORT" --rollout demo-task.0)"
 echo "$ENV_LINES" | sed 's/^/   /'

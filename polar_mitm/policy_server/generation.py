@@ -81,14 +81,9 @@ def pick_turn(scenario: Scenario, call: ChatCall) -> tuple[str, Turn]:
     return script.name, turn
 
 
-def sample(renderer: Renderer, scenario: Scenario, call: ChatCall, max_model_len: int) -> Sample:
-    """Render the prompt, pick the scripted turn, tokenize it and apply the length limits.
-
-    Raises :class:`RequestError` for requests vLLM refuses (prompt or ``max_tokens`` beyond
-    ``max_model_len``, ``max_tokens < 1``).
-    """
-    prompt = renderer.prompt(call.render)
-    n_prompt = len(prompt.ids)
+def token_limit(n_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
+    """How many tokens a request may generate; raises :class:`RequestError` for the length limits
+    vLLM refuses (prompt or ``max_tokens`` beyond ``max_model_len``, ``max_tokens < 1``)."""
     if n_prompt >= max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
@@ -97,20 +92,32 @@ def sample(renderer: Renderer, scenario: Scenario, call: ChatCall, max_model_len
             param="input_tokens",
         )
     limit = max_model_len - n_prompt
-    if call.max_tokens is not None:
-        if call.max_tokens < 1:
+    if max_tokens is not None:
+        if max_tokens < 1:
             raise RequestError(
-                f"max_tokens must be at least 1, got {call.max_tokens}.", param="max_tokens"
+                f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
             )
-        if call.max_tokens > limit:
+        if max_tokens > limit:
             raise RequestError(
-                f"'max_tokens' or 'max_completion_tokens' is too large: {call.max_tokens}. This model's "
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
                 f"maximum context length is {max_model_len} tokens and your request has {n_prompt} input "
-                f"tokens ({call.max_tokens} > {max_model_len} - {n_prompt}). "
-                f"(parameter=max_tokens, value={call.max_tokens})",
+                f"tokens ({max_tokens} > {max_model_len} - {n_prompt}). "
+                f"(parameter=max_tokens, value={max_tokens})",
                 param="max_tokens",
             )
-        limit = call.max_tokens
+        limit = max_tokens
+    return limit
+
+
+def sample(renderer: Renderer, scenario: Scenario, call: ChatCall, max_model_len: int) -> Sample:
+    """Render the prompt, pick the scripted turn, tokenize it and apply the length limits.
+
+    Raises :class:`RequestError` for requests vLLM refuses (prompt or ``max_tokens`` beyond
+    ``max_model_len``, ``max_tokens < 1``).
+    """
+    prompt = renderer.prompt(call.render)
+    n_prompt = len(prompt.ids)
+    limit = token_limit(n_prompt, call.max_tokens, max_model_len)
     script, turn = pick_turn(scenario, call)
     completion = renderer.completion(call.render, turn)
     n = min(len(completion.ids), limit)

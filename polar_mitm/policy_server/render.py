@@ -112,15 +112,21 @@ def _turn_key(turn: Turn) -> str:
 class Renderer:
     """Renders prompts and scripted completions with one tokenizer; safe to call from threads."""
 
-    def __init__(self, tokenizer_dir: str | Path | None = None, cache_size: int = 2048):
-        from transformers import AutoTokenizer
+    def __init__(
+        self, tokenizer_dir: str | Path | None = None, cache_size: int = 2048, *, tokenizer=None
+    ):
+        """``tokenizer``: an already loaded tokenizer (e.g. a GGUF's own); ``tokenizer_dir`` then
+        only names where it came from."""
+        if tokenizer is None:
+            from transformers import AutoTokenizer
 
-        if tokenizer_dir is None:
-            from polar_mitm.assets import qwen3_tokenizer_dir
+            if tokenizer_dir is None:
+                from polar_mitm.assets import qwen3_tokenizer_dir
 
-            tokenizer_dir = qwen3_tokenizer_dir()
-        self.tokenizer_dir = Path(tokenizer_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+                tokenizer_dir = qwen3_tokenizer_dir()
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.tokenizer_dir = Path(tokenizer_dir or ".")
+        self.tokenizer = tokenizer
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer in {self.tokenizer_dir} has no chat template")
         eos = self.tokenizer.eos_token_id
