@@ -22,7 +22,8 @@ import json
 import logging
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -211,8 +212,8 @@ class FidelityAddon:
     def running(self) -> None:
         log.info("polar-mitm: %s", describe_fidelity(self.stage.mode, self.stage.tokenizer))
 
-    def call_finished(self, record: CallRecord) -> None:
-        self.stage.call_finished(record)
+    def call_finished(self, record: CallRecord) -> Any:
+        return self.stage.call_finished(record)  # the store's receipt, after the checks
 
     async def done(self) -> None:
         # Runs after the capture and the no-ids fallback have handed over their last records
@@ -835,9 +836,14 @@ class ControlAddon:
     """The control plane: requests to `polar_control_host` through the proxy are answered here,
     and `polar_control_listen` opens a port of its own. Refused unless `polar_control_token`."""
 
-    def __init__(self, state: ControlState, rollouts: Rollouts) -> None:
+    def __init__(
+        self,
+        state: ControlState,
+        rollouts: Rollouts,
+        settle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.state = state
-        self.api = ControlAPI(state, rollouts)
+        self.api = ControlAPI(state, rollouts, settle)
         self.host = DEFAULT_HOST
         self.listen: tuple[str, int] | None = None
         self.server: ControlServer | None = None
@@ -929,7 +935,8 @@ def polar_addons() -> list[object]:
     state = ControlState()
     trajectory = TrajectoryAddon(store, state)
     # merge, then fidelity checks (worker), then the store
-    fidelity = FidelityAddon(tokenizer, FidelityStage(trajectory.rollouts, [store]))
+    stage = FidelityStage(trajectory.rollouts, [store])
+    fidelity = FidelityAddon(tokenizer, stage)
     capture = CaptureAddon(
         identity,
         sinks=[state, fidelity],
@@ -937,7 +944,7 @@ def polar_addons() -> list[object]:
         control=state,
         tokenizer=tokenizer,
     )
-    control = ControlAddon(state, trajectory.rollouts)
+    control = ControlAddon(state, trajectory.rollouts, settle=stage.drain)
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
     # calls, then pending retokenizations and fidelity checks drain, the trajectories write the
     # open rollouts, and only then does the store close.

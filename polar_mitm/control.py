@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import http.client
 import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST = "polar.control"
 TOKEN_HEADER = "x-polar-control-token"
 _BODY_LIMIT = 1 << 20
+
+SETTLE_S = 10.0  # at most this long for pending checks before a rollout ends
 
 
 class ControlState:
@@ -139,10 +142,18 @@ class _Refused(Exception):
 class ControlAPI:
     """Routes one control request; transport-free so both ways in share it."""
 
-    def __init__(self, state: ControlState, rollouts: Rollouts) -> None:
+    def __init__(
+        self,
+        state: ControlState,
+        rollouts: Rollouts,
+        settle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.state = state
         self.rollouts = rollouts
         self.token = ""
+        # Awaited before a rollout ends: work still running on its finished calls (the fidelity
+        # checks) lands first, so the traces written at the end are final (one revision).
+        self.settle = settle
 
     async def handle(
         self, method: str, target: str, headers: Mapping[str, str], body: bytes
@@ -227,6 +238,9 @@ class ControlAPI:
             if action == "end":
                 _method(method, "POST")
                 data = _json(body)
+                if self.settle is not None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.settle(), SETTLE_S)
                 rollout = self.rollouts.end(
                     rollout_id, reward=data.get("reward"), status=data.get("status", "completed")
                 )

@@ -305,11 +305,12 @@ class FidelityStage:
 
     # -- CallSink ---------------------------------------------------------------------------------
 
-    def call_finished(self, record: CallRecord) -> None:
+    def call_finished(self, record: CallRecord) -> Any:
+        """Returns a receipt (see `capture.deliver`): done once the store has the record, so a
+        durable reply's last bytes wait for the checks and the journal, not just the journal."""
         rollout, placement, facts = self._merge(record)
         if self.mode == OFF or not _checkable(record):
-            self._store(record)
-            return
+            return _one(self._store(record))
         job = None
         if placement is not None and placement.break_reason == RERENDER and rollout is not None:
             chain = _chain(rollout, placement)
@@ -318,16 +319,15 @@ class FidelityStage:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # a synchronous caller (tests, tools): check inline
-            self._finish(record, self.compute(record, job), rollout, facts)
-            return
+            return _one(self._finish(record, self.compute(record, job), rollout, facts))
         if len(self._pending) >= MAX_PENDING:
             self.skipped += 1
             found = Findings(error=f"skipped: {MAX_PENDING} calls already waiting for checks")
-            self._finish(record, found, rollout, facts)
-            return
+            return _one(self._finish(record, found, rollout, facts))
         task = loop.create_task(self._run(loop, record, job, rollout, facts))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return _receipt_of(task)
 
     async def _run(
         self,
@@ -336,7 +336,7 @@ class FidelityStage:
         job: RerenderJob | None,
         rollout: Rollout | None,
         facts: CallFacts | None,
-    ) -> None:
+    ) -> list[Any]:
         found = Findings(error="the proxy shut down before the checks ran")
         try:
             if self._executor is None:
@@ -345,7 +345,8 @@ class FidelityStage:
                 )
             found = await loop.run_in_executor(self._executor, self.compute, record, job)
         finally:
-            self._finish(record, found, rollout, facts)
+            receipts = self._finish(record, found, rollout, facts)
+        return receipts
 
     def compute(self, record: CallRecord, job: RerenderJob | None) -> Findings:
         """All checks of one call (blocking; runs in the worker thread)."""
@@ -374,7 +375,7 @@ class FidelityStage:
         found: Findings,
         rollout: Rollout | None,
         facts: CallFacts | None,
-    ) -> None:
+    ) -> list[Any]:
         try:
             apply_findings(
                 record, found, self.mode, self.tokenizer.spec if self.tokenizer else None
@@ -390,7 +391,7 @@ class FidelityStage:
             log.exception(
                 "polar-mitm: applying fidelity findings to call %s failed", record.call_id
             )
-        self._store(record)
+        return self._store(record)
 
     async def drain(self) -> None:
         """Wait for every check in flight (at shutdown, before the rollouts are written)."""
@@ -415,8 +416,34 @@ class FidelityStage:
         facts = rollout.calls[-1] if rollout.calls else None  # appended by this very call
         return rollout, placement, facts
 
-    def _store(self, record: CallRecord) -> None:
-        deliver(record, self.after)
+    def _store(self, record: CallRecord) -> list[Any]:
+        return deliver(record, self.after)
+
+
+def _one(receipts: list[Any]) -> Any:
+    """The store's receipts as one awaitable (or None when there is nothing to wait for)."""
+    if not receipts:
+        return None
+    if len(receipts) == 1:
+        return receipts[0]
+    return asyncio.gather(*(_awaitable(r) for r in receipts))
+
+
+def _awaitable(receipt: Any) -> Any:
+    return (
+        asyncio.wrap_future(receipt) if isinstance(receipt, concurrent.futures.Future) else receipt
+    )
+
+
+async def _wait_receipts(task: asyncio.Task) -> None:
+    receipts = await task
+    if receipts:
+        await asyncio.gather(*(_awaitable(r) for r in receipts))
+
+
+def _receipt_of(task: asyncio.Task) -> asyncio.Task:
+    """Done once the checks ran and the store has journaled the record."""
+    return asyncio.get_running_loop().create_task(_wait_receipts(task))
 
 
 def _checkable(record: CallRecord) -> bool:
