@@ -117,7 +117,9 @@ def start_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> tup
     return child, url
 
 
-def start_proxy(tmp: Path, column: str, upstream: str, confdir: Path) -> tuple[Child, int]:
+def start_proxy(
+    tmp: Path, column: str, upstream: str, confdir: Path, name: str | None = None
+) -> tuple[Child, int]:
     port = free_port()
     args = [
         str(BIN / "mitmdump"),
@@ -137,7 +139,7 @@ def start_proxy(tmp: Path, column: str, upstream: str, confdir: Path) -> tuple[C
             "--set",
             f"polar_upstream={upstream}",
             "--set",
-            f"polar_output={tmp / 'polar-data'}",
+            f"polar_output={tmp / ((name or column) + '-data')}",
         ]
         ready = r"polar-mitm: capturing"
     else:
@@ -292,7 +294,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
                         None,
                     )
                 else:
-                    proxy_child, port = start_proxy(tmp, f"{column}-{mode}", upstream_url, confdir)
+                    proxy_child, port = start_proxy(
+                        tmp, column, upstream_url, confdir, name=f"{column}-{mode}"
+                    )
                     url, proxy, ctx, cpu_of = (
                         URL,
                         f"http://127.0.0.1:{port}",

@@ -84,6 +84,26 @@ def merge(calls: list[Call], cold: bool, prompts: list | None = None) -> tuple[f
     return spent, m
 
 
+def figures(smoke: bool = False) -> dict:
+    """The merge figures for scripts/bench.py: time(2N)/time(N) and peak memory per rollout."""
+    turns, repeat = (10, 2) if smoke else (100, 5)
+    times, peak = {}, 0
+    for n in (turns, 2 * turns):
+        calls = build(n, 2000, 150, 100, 0, False)
+        gc.disable()
+        times[n] = min(merge(calls, False)[0] for _ in range(repeat))
+        gc.enable()
+        prompts = [c.prompt() for c in calls]
+        tracemalloc.start()
+        merge(calls, cold=True, prompts=prompts)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return {
+        "merge_time_2N_over_N": times[2 * turns] / times[turns],
+        f"merge_peak_MiB_per_rollout_{2 * turns}_turns": peak / 2**20,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=100, help="N (the second run has 2N)")
