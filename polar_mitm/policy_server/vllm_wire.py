@@ -357,6 +357,7 @@ class VllmWire:
         groups = self._groups(len(sample.ids))
         sent = 0
         final_index = 0
+        skipped = 0  # tokens of chunks vLLM drops: still generated, so still paced
         for gi, (a, b) in enumerate(groups):
             finished = gi == len(groups) - 1
             ids = sample.ids[a:b]
@@ -368,6 +369,7 @@ class VllmWire:
             logprobs = {"content": entries[a:b]} if entries is not None else None
             if delta is None:
                 if not finished and logprobs is None and (not call.return_token_ids or hide):
+                    skipped += b - a
                     continue
                 delta = {}
             choice: dict[str, Any] = {"index": 0, "delta": self._delta(delta), "logprobs": logprobs}
@@ -389,7 +391,8 @@ class VllmWire:
                 }
             if finished:
                 final_index = len(events)
-            emit(chunk, b - a)
+            emit(chunk, b - a + skipped)
+            skipped = 0
         if call.include_usage:
             emit({**head, "choices": [], "usage": self._usage(sample)}, 0)
         events.append(DONE)
