@@ -271,6 +271,57 @@ def write_scenario(tmp: Path, tokens: int) -> Path:
     return path
 
 
+@dataclass
+class Target:
+    """Where a column's client sends its calls."""
+
+    url: str
+    proxy: str | None
+    ssl: ssl.SSLContext | bool
+    child: Child | None = None
+
+
+def targets(tmp: Path, upstream: str, confdir: Path, ssl_ctx: ssl.SSLContext, mode: str) -> dict:
+    out = {"direct": Target(upstream + "/v1/chat/completions", None, False)}
+    for column in COLUMNS[1:]:
+        child, port = start_proxy(tmp, column, upstream, confdir, name=f"{column}-{mode}")
+        out[column] = Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
+    return out
+
+
+async def interleaved(ts: dict[str, Target], sessions: int, rounds: int) -> dict[str, Run]:
+    """Latency, fair across columns: every round makes one call per session on each column in
+    turn, so all columns see the same machine load (drift on a shared box is larger than the
+    differences measured). Sessions keep their connection across rounds, as harnesses do."""
+    runs = {c: Run() for c in ts}
+    pools = {
+        c: [
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1), timeout=aiohttp.ClientTimeout(total=120)
+            )
+            for _ in range(sessions)
+        ]
+        for c in ts
+    }
+    try:
+        for r in range(rounds + 1):  # round 0 warms up: certificates, connections
+            for column, t in ts.items():
+                samples = await asyncio.gather(
+                    *(
+                        one_call(s, t.url, t.proxy, t.ssl, f"bench-{column}.{i}")
+                        for i, s in enumerate(pools[column])
+                    )
+                )
+                if r:
+                    runs[column].samples += samples
+                    runs[column].errors += sum(not x.ok for x in samples)
+    finally:
+        for pool in pools.values():
+            for s in pool:
+                await s.close()
+    return runs
+
+
 def measure(args: argparse.Namespace, tmp: Path) -> dict:
     from polar_mitm.certs import ensure_ca
 
@@ -280,67 +331,55 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     scenario = write_scenario(tmp, args.tokens)
     paced, paced_url = start_server(tmp, scenario, args.token_rate, "server-paced")
     fast, fast_url = start_server(tmp, scenario, 0, "server-fast")
-    results: dict = {"config": vars(args), "columns": {}}
+    results: dict = {"config": vars(args), "columns": {c: {} for c in COLUMNS}}
+    cols = results["columns"]
     try:
-        for column in COLUMNS:
-            col: dict = {}
-            for upstream_url, mode in ((paced_url, "paced"), (fast_url, "fast")):
-                proxy_child = None
-                if column == "direct":
-                    url, proxy, ctx, cpu_of = (
-                        upstream_url + "/v1/chat/completions",
-                        None,
-                        False,
-                        None,
+        ts = targets(tmp, paced_url, confdir, ssl_ctx, "paced")
+        try:
+            for conc, rounds in ((1, args.calls1), (32, args.calls32)):
+                runs = asyncio.run(interleaved(ts, conc, rounds))
+                for column, run in runs.items():
+                    cols[column][f"c{conc}"] = summarize(run)
+                print(f"  latency at {conc} concurrent: done", file=sys.stderr)
+        finally:
+            for t in ts.values():
+                if t.child is not None:
+                    t.child.stop()
+        for column in COLUMNS:  # throughput and CPU: one column at a time, they compete for CPU
+            [t] = [t for c, t in targets_for(tmp, column, fast_url, confdir, ssl_ctx)]
+            try:
+                loop = asyncio.new_event_loop()
+                loop.run_until_complete(drive(column, t.url, t.proxy, t.ssl, 4, 2, None, None))
+                cpu_of = t.child.cpu_seconds if t.child else None
+                run = loop.run_until_complete(
+                    drive(column, t.url, t.proxy, t.ssl, 32, None, args.seconds, cpu_of)
+                )
+                cols[column]["throughput"] = summarize(run)
+                if t.child is not None:
+                    cols[column]["throughput"]["cpu_s_per_1k_calls"] = (
+                        1000 * run.cpu / max(run.ok, 1)
                     )
-                else:
-                    proxy_child, port = start_proxy(
-                        tmp, column, upstream_url, confdir, name=f"{column}-{mode}"
-                    )
-                    url, proxy, ctx, cpu_of = (
-                        URL,
-                        f"http://127.0.0.1:{port}",
-                        ssl_ctx,
-                        proxy_child.cpu_seconds,
-                    )
-                try:
-                    loop = asyncio.new_event_loop()
-                    # warm-up: the first call of a proxy pays for its certificate and connections
-                    loop.run_until_complete(drive(column, url, proxy, ctx, 2, 2, None, None))
-                    if mode == "paced":
-                        for conc in (1, 32):
-                            calls = args.calls1 if conc == 1 else args.calls32
-                            run = loop.run_until_complete(
-                                drive(column, url, proxy, ctx, conc, calls, None, None)
-                            )
-                            col[f"c{conc}"] = summarize(run)
-                    else:
-                        loop.run_until_complete(
-                            drive(column, url, proxy, ctx, 4, 2, None, None)
-                        )  # warm-up
-                        run = loop.run_until_complete(
-                            drive(column, url, proxy, ctx, 32, None, args.seconds, cpu_of)
+                    if column == "polar-mitm" and args.rss_calls:
+                        cols[column]["rss"] = rss_curve(
+                            loop, t.url, t.proxy, t.ssl, t.child, args.rss_calls
                         )
-                        col["throughput"] = summarize(run)
-                        if proxy_child is not None:
-                            col["throughput"]["cpu_s_per_1k_calls"] = (
-                                1000 * run.cpu / max(run.ok, 1)
-                            )
-                            if column == "polar-mitm" and args.rss_calls:
-                                col["rss"] = rss_curve(
-                                    loop, url, proxy, ctx, proxy_child, args.rss_calls
-                                )
-                    loop.close()
-                finally:
-                    if proxy_child is not None:
-                        proxy_child.stop()
-            results["columns"][column] = col
-            print(f"  {column}: done", file=sys.stderr)
+                loop.close()
+            finally:
+                if t.child is not None:
+                    t.child.stop()
+            print(f"  throughput {column}: done", file=sys.stderr)
     finally:
         paced.stop()
         fast.stop()
     results["inprocess"] = inprocess_figures(args)
     return results
+
+
+def targets_for(tmp, column, upstream, confdir, ssl_ctx) -> list[tuple[str, Target]]:
+    if column == "direct":
+        return [(column, Target(upstream + "/v1/chat/completions", None, False))]
+    child, port = start_proxy(tmp, column, upstream, confdir, name=f"{column}-fast")
+    return [(column, Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child))]
 
 
 def rss_curve(loop, url, proxy, ctx, child: Child, total: int) -> list[tuple[int, float]]:
@@ -516,17 +555,17 @@ def main() -> int:
         args.token_rate = 200.0
     elif args.quick:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
-            args.tokens or 30,
+            args.tokens or 12,
             15,
-            2,
+            3,
             8.0,
             2000,
         )
     else:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
-            args.tokens or 60,
+            args.tokens or 30,
             40,
-            4,
+            6,
             20.0,
             10000,
         )
