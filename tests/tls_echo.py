@@ -41,6 +41,7 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
 class TLSEcho:
     server: ThreadingHTTPServer
     seen_paths: list[str] = field(default_factory=list)
+    seen_headers: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def port(self) -> int:
@@ -66,6 +67,7 @@ def start_tls_echo(tmp: Path) -> TLSEcho:
 
         def _send(self, body: bytes) -> None:
             holder[0].seen_paths.append(self.path)
+            holder[0].seen_headers.append({k.lower(): v for k, v in self.headers.items()})
             self.send_response(200)
             self.send_header("content-type", "application/octet-stream")
             self.send_header("content-length", str(len(body)))
