@@ -111,7 +111,9 @@ class _ChatStream(StreamTranslator):
 
     def fail(self, message: str, kind: str = "server_error") -> bytes:
         # OpenAI ends a failed stream with an error object; the SDKs raise APIError on it.
-        return encode_json({"error": {"message": message, "type": kind, "param": None, "code": None}})
+        return encode_json(
+            {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        )
 
 
 def _new_id() -> str:
