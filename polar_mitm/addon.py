@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
 import json
 import logging
 import re
@@ -30,6 +31,8 @@ import aiohttp
 from mitmproxy import connection, ctx, exceptions, http
 
 from .capture import (
+    REDACTED,
+    SECRET_HEADERS,
     CallRecord,
     CallSink,
     deliver,
@@ -93,6 +96,20 @@ def _seconds(name: str, value: str, *, zero_ok: bool = True) -> float | None:
     return seconds
 
 
+def _forget_secrets(flow: http.HTTPFlow) -> None:
+    """A flow answered here goes nowhere: drop its credentials, so that mitmproxy's own output
+    (flow_detail 3+, `-w` flow files) and other addons never see them."""
+    headers = flow.request.headers
+    values = secret_values(headers)
+    for name in SECRET_HEADERS:
+        headers.pop(name, None)
+    content = flow.request.raw_content
+    if values and content:
+        for value in values:
+            content = content.replace(value.encode(), REDACTED.encode())
+        flow.request.raw_content = content
+
+
 def _json_response(status: int, obj: object) -> http.Response:
     return http.Response.make(status, json.dumps(obj), {"content-type": "application/json"})
 
@@ -109,10 +126,9 @@ class ProxySetup:
             ctx.options.confdir = str(DEFAULT_CONFDIR)
         if "listen_host" in updated and ctx.options.listen_host == "":
             ctx.options.listen_host = "127.0.0.1"
-        loopback = ("127.0.0.1", "::1", "localhost")
         if (
             "listen_host" in updated
-            and ctx.options.listen_host not in loopback
+            and not _is_loopback(ctx.options.listen_host)
             and not ctx.options.proxyauth
         ):
             log.warning(
@@ -121,8 +137,34 @@ class ProxySetup:
                 ctx.options.listen_host or "all interfaces",
             )
 
-    def running(self) -> None:
+    async def running(self) -> None:
         _errors.running = True
+        await self._rebind_on_loopback()
+
+    async def _rebind_on_loopback(self) -> None:
+        """mitmdump loads `-s` scripts concurrently with binding its servers, so they may already
+        listen on all interfaces (listen_host "") when `configure` sets 127.0.0.1. Rebind them:
+        the default must be loopback, whatever the start-up order."""
+        proxyserver = ctx.master.addons.get("proxyserver")
+        if proxyserver is None or not _is_loopback(ctx.options.listen_host):
+            return
+        wide = [a for a in proxyserver.listen_addrs() if not _is_loopback(str(a[0]))]
+        if not wide:
+            return
+        await proxyserver.servers.update([])
+        await proxyserver.setup_servers()
+        log.info(
+            "polar-mitm: listening on %s only (--listen-host to change)", ctx.options.listen_host
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class RolloutIdentityAddon:
@@ -421,6 +463,13 @@ class CaptureAddon:
         loader.add_option(
             "polar_connect_timeout", str, "10", "Seconds to wait for the policy server to accept."
         )
+        loader.add_option(
+            "polar_max_request_mb",
+            int,
+            64,
+            "Largest harness request body (MB) an LLM call may have; a larger one is refused with "
+            "HTTP 413 in the harness's own error shape (and recorded). 0: no limit.",
+        )
 
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
@@ -503,8 +552,29 @@ class CaptureAddon:
     # -- hooks --------------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or flow.request.host.lower() not in self.hosts:
+        if flow.response is not None or flow.request.host.lower().rstrip(".") not in self.hosts:
             return
+        try:
+            await self._capture(flow)
+            if flow.response is not None:
+                _forget_secrets(flow)
+        except Exception as e:
+            # Never let a flow on a captured host fall through to the real API (mitmproxy would
+            # forward it after logging the error): answer it here, as the dialect would.
+            log.exception(
+                "polar-mitm: internal error on %s %s", flow.request.method, flow.request.path
+            )
+            dialect = detect(flow.request.method, flow.request.path.partition("?")[0])
+            message = f"polar-mitm internal error: {type(e).__name__}: {e}"
+            body = (
+                dialect.error_bytes(500, message, "server_error")
+                if dialect is not None
+                else json.dumps({"error": {"message": message, "type": "server_error"}}).encode()
+            )
+            flow.response = http.Response.make(500, body, {"content-type": "application/json"})
+            _forget_secrets(flow)
+
+    async def _capture(self, flow: http.HTTPFlow) -> None:
         path = flow.request.path.partition("?")[0]
         if flow.request.headers.get("upgrade", "").lower() == "websocket":
             flow.response = _json_response(
@@ -578,24 +648,34 @@ class CaptureAddon:
             policy_version=self.control.policy_version if self.control is not None else None,
         )
         record.headers_json = scrub(json.dumps(redact_headers(headers.items(multi=True))), secrets)
+        body: bytes | None = None
         try:
             body = flow.request.get_content(strict=True) or b""
-        except ValueError as e:
-            body = None
-            error = DialectError(f"request body cannot be decoded: {e}")
-        if body is not None:
-            try:
-                req = dialect.parse(body, path)
-            except DialectError as e:
+            limit = ctx.options.polar_max_request_mb
+            if limit > 0 and len(body) > limit * 1e6:
+                raise DialectError(
+                    f"request body is {len(body) / 1e6:.1f} MB, more than polar_max_request_mb="
+                    f"{limit:g}",
+                    413,
+                )
+            req = dialect.parse(body, path)
+            request_json = redacted_json(req.body, secrets)
+        except Exception as e:
+            if isinstance(e, DialectError):
                 error = e
+            elif isinstance(e, RecursionError):  # json.loads went deeper than Python code can
+                error = DialectError("request body is nested too deeply")
+            elif isinstance(e, ValueError) and body is None:  # a bad content-encoding
+                error = DialectError(f"request body cannot be decoded: {e}")
             else:
-                error = None
-        if error is not None:
+                log.exception("polar-mitm: call %s: cannot read the request", record.call_id)
+                error = DialectError(f"polar-mitm internal error: {type(e).__name__}: {e}", 500)
+                error.kind = "server_error"
             raw = (body or b"")[:_RAW_BODY_LIMIT].decode("utf-8", "replace")
             record.request_json = scrub(json.dumps({"unparsed_body": raw}), secrets)
             self._refuse(flow, dialect, record, error)
             return
-        record.request_json = redacted_json(req.body, secrets)
+        record.request_json = request_json
         record.stream = req.stream
         record.model_requested = req.model
         purpose = headers.get(PURPOSE_HEADER, "").strip().lower()
@@ -672,6 +752,10 @@ class CaptureAddon:
     def _call_done(self, call: Call) -> None:
         self.live.pop(call.record.call_id, None)
         self.gateway.drop(call.record.call_id)
+        if call.record.http_status == 404 and not ctx.options.polar_model:
+            # The model found in GET /v1/models is gone (the server was redeployed under another
+            # name): ask again on the next call instead of failing every call from now on.
+            self.served_model = None
 
     def _other_path(self, flow: http.HTTPFlow) -> None:
         if ctx.options.polar_other_paths == "pass":

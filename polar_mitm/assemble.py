@@ -60,19 +60,23 @@ class ChatAssembler:
             self.finish_reason = choice["finish_reason"]
 
     def add_delta(self, delta: dict[str, Any]) -> None:
+        # Type checks here, not when the message is built: a malformed chunk must fail while it is
+        # being read (the exchange turns that into the dialect's error), never later.
         text = delta.get("content")
         if text:
-            self.content.append(text)
+            self.content.append(_text(text, "content"))
         for key in REASONING_KEYS:
             value = delta.get(key)
             if value:
-                self.reasoning.append(value)
+                self.reasoning.append(_text(value, key))
                 break
         for call in delta.get("tool_calls") or ():
             self.add_tool_delta(call)
 
     def add_tool_delta(self, call: dict[str, Any]) -> ToolCallParts:
         index = call.get("index", len(self.tool_calls))
+        if type(index) is not int:
+            raise TypeError(f"tool call index {index!r} is not an integer")
         parts = self.tool_calls.get(index)
         if parts is None:
             parts = self.tool_calls[index] = ToolCallParts(index)
@@ -109,6 +113,12 @@ class ChatAssembler:
             ],
             "usage": self.usage,
         }
+
+
+def _text(value: Any, field: str) -> str:
+    if type(value) is not str:
+        raise TypeError(f"'{field}' is {type(value).__name__}, not a string")
+    return value
 
 
 def reasoning_of(message: dict[str, Any]) -> str | None:

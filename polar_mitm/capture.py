@@ -12,6 +12,7 @@ import logging
 import re
 import time
 import uuid
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -106,6 +107,86 @@ class CallRecord:
     def to_row(self) -> dict[str, Any]:
         return asdict(self)
 
+    def conform(self) -> None:
+        """Make every field fit its column, so the store can never reject the row.
+
+        Most fields are ours; a few come from the upstream's JSON (token ids, finish_reason,
+        model). A value of the wrong type or range is dropped and the record flagged
+        ``malformed_<field>`` (and not trainable): a record with a gap beats a lost record.
+        Once per call, a few microseconds (the id lists are checked by `array`, in C)."""
+        bad = []
+        for name, check in _CHECKS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            fixed = check(value)
+            if fixed is _BAD:
+                bad.append(name)
+                setattr(self, name, [] if name in _NOT_NULL_LISTS else None)
+            elif fixed is not value:
+                setattr(self, name, fixed)
+        for name in bad:
+            self.flag(f"malformed_{name}")
+        if bad:
+            self.trainable = False
+
+
+_BAD = object()
+
+
+def _typed_list(code: str) -> Any:
+    """A check for a list column stored as `array(code)` by the journal."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, array) and value.typecode == code:
+            return value
+        if not isinstance(value, list):
+            return _BAD
+        try:
+            array(code, value)
+        except (TypeError, ValueError, OverflowError):
+            return _BAD
+        return value
+
+    return check
+
+
+def _int32(value: Any) -> Any:
+    ok = isinstance(value, int) and not isinstance(value, bool) and -(2**31) <= value < 2**31
+    return value if ok else _BAD
+
+
+def _str(value: Any) -> Any:
+    """A string that UTF-8 can encode: a header mitmproxy decoded with surrogateescape, say,
+    has its undecodable bytes replaced."""
+    if not isinstance(value, str):
+        return _BAD
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
+# The fields whose values may come from outside (the upstream's JSON, the harness's headers).
+_CHECKS: tuple[tuple[str, Any], ...] = (
+    ("prompt_token_ids", _typed_list("i")),
+    ("output_token_ids", _typed_list("i")),
+    ("output_logprobs", _typed_list("f")),
+    ("usage_prompt_tokens", _int32),
+    ("usage_completion_tokens", _int32),
+    ("sample_index", _int32),
+    ("http_status", _int32),
+    ("finish_reason", _str),
+    ("model_served", _str),
+    ("model_requested", _str),
+    ("session_id", _str),
+    ("error", _str),
+)
+_NOT_NULL_LISTS = frozenset({"output_token_ids", "output_logprobs"})
+
 
 class CallSink(Protocol):
     """Anything that wants finished calls: the store, trajectories, fidelity checks.
@@ -122,6 +203,7 @@ def deliver(record: CallRecord, sinks: Iterable[CallSink]) -> list[Any]:
     """Hand a finished record to every sink; one failing sink must not starve the others.
     Returns the receipts the sinks gave back."""
     receipts = []
+    record.conform()
     for sink in sinks:
         try:
             receipt = sink.call_finished(record)

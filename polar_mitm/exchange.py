@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,6 +40,11 @@ _CAP_TOO_LARGE = re.compile(
 # How long a completed reply's last bytes wait for the record to be durable (see `_durable`):
 # far above a journal fsync (~1 ms), low enough that a failing disk only slows harnesses down.
 DURABLE_WAIT_S = 10.0
+# What a malformed upstream chunk or reply raises in the token and translation code (a field of the
+# wrong type, a missing key). Caught around each chunk, so the valid path pays nothing for it.
+_MALFORMED = (AttributeError, TypeError, KeyError, IndexError, ValueError)
+# Upstream headers worth passing on with an error: a harness's SDK honours them when it retries.
+_ERROR_HEADERS = ("retry-after", "retry-after-ms")
 
 
 class ClientGone(Exception):
@@ -57,7 +62,11 @@ class Output(Protocol):
     async def write(self, data: bytes) -> None: ...
 
     async def send(
-        self, status: int, body: bytes, content_type: str = "application/json"
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        headers: Mapping[str, str] | None = None,
     ) -> None: ...
 
 
@@ -73,9 +82,20 @@ class UpstreamSettings:
 class UpstreamFailed(Exception):
     """The upstream did not give a usable reply; `status` is what the harness gets."""
 
-    def __init__(self, message: str, status: int = 502, kind: str = "server_error"):
+    def __init__(
+        self,
+        message: str,
+        status: int = 502,
+        kind: str = "server_error",
+        headers: Mapping[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.kind = message, status, kind
+        self.headers = headers
+
+
+def _malformed(e: Exception, what: str = "a stream chunk") -> UpstreamFailed:
+    return UpstreamFailed(f"upstream sent {what} polar-mitm cannot read ({type(e).__name__}: {e})")
 
 
 class Call:
@@ -156,6 +176,17 @@ class Call:
         except aiohttp.ClientConnectorError as e:
             msg = f"upstream {upstream.base_url} is unreachable: {e.strerror or e}"
             await self._answer_error(out, UpstreamFailed(msg, 502))
+        except (
+            aiohttp.ServerDisconnectedError,
+            aiohttp.ClientPayloadError,
+            aiohttp.ClientOSError,
+            ConnectionResetError,
+        ) as e:
+            msg = (
+                f"upstream {upstream.base_url} closed the connection before the reply was "
+                f"complete ({type(e).__name__}: {e})"
+            )
+            await self._answer_error(out, UpstreamFailed(msg, 502))
         except (aiohttp.ClientError, ConnectionError) as e:
             msg = f"upstream {upstream.base_url} failed: {type(e).__name__}: {e}"
             await self._answer_error(out, UpstreamFailed(msg, 502))
@@ -171,56 +202,80 @@ class Call:
         done = False
         async for data in resp.content.iter_any():
             pieces = []
-            for event in parser.feed(data):
-                if event.data == "[DONE]":
-                    done = True
-                    break
-                chunk = _json_chunk(event.data)
-                if "error" in chunk and not chunk.get("choices"):
-                    raise UpstreamFailed(f"upstream error mid-stream: {_error_message(chunk)}")
-                upstream.take_chunk(chunk, self.tally)
-                if translator.prompt_tokens is None and self.tally.prompt_ids is not None:
-                    translator.prompt_tokens = len(self.tally.prompt_ids)
-                self.assembler.feed(chunk)
-                piece = translator.chunk(chunk)
-                if piece:
-                    pieces.append(piece)
+            try:
+                for event in parser.feed(data):
+                    if event.data == "[DONE]":
+                        done = True
+                        break
+                    chunk = _json_chunk(event.data)
+                    usage = chunk.get("usage")
+                    if usage is not None and type(usage) is not dict:
+                        raise TypeError(f"usage is {type(usage).__name__}, not an object")
+                    if chunk.get("error"):  # vLLM's mid-stream failure (SDKs raise on it)
+                        message = _clean(_error_message(chunk) or event.data[:1000])
+                        raise UpstreamFailed(f"upstream error mid-stream: {message}")
+                    upstream.take_chunk(chunk, self.tally)
+                    if translator.prompt_tokens is None and self.tally.prompt_ids is not None:
+                        translator.prompt_tokens = len(self.tally.prompt_ids)
+                    self.assembler.feed(chunk)
+                    piece = translator.chunk(chunk)
+                    if piece:
+                        pieces.append(piece)
+            except _MALFORMED as e:
+                raise _malformed(e) from None
             if pieces:
                 await self._write(out, b"".join(pieces))
             if done:
                 break
-        if not done and self.tally.finish_reason is None:
-            raise UpstreamFailed(
-                f"upstream {upstream.base_url} ended the stream before it was complete"
-            )
-        await self._complete(out, translator.finish())
+        if self.tally.finish_reason is None:
+            how = "without a finish_reason" if done else "before it was complete"
+            raise UpstreamFailed(f"upstream {upstream.base_url} ended the stream {how}")
+        try:
+            tail = translator.finish()
+        except _MALFORMED as e:  # what the dialect builds at the end from what the chunks said
+            raise _malformed(e, "a stream") from None
+        await self._complete(out, tail)
 
     async def _relay_reply(self, resp: aiohttp.ClientResponse, out: Output) -> None:
         try:
-            reply = await resp.json(content_type=None)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raw = await resp.read()
+            reply = _json_value(raw.decode("utf-8"), "reply")
+        except (UnicodeDecodeError, RecursionError, ValueError) as e:
             raise UpstreamFailed(f"upstream reply is not valid JSON: {e}") from None
-        if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
-            raise UpstreamFailed("upstream reply is not a chat completion")
-        self.settings.upstream.take_reply(reply, self.tally)
-        if self.req.stream:  # the server cannot stream with token flags: synthesize the stream
-            translator = self.translator = self.dialect.stream(self.req)
-            if self.tally.prompt_ids is not None:
-                translator.prompt_tokens = len(self.tally.prompt_ids)
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not isinstance(choices, list) or not choices:
+            raise UpstreamFailed("upstream reply is not a chat completion (no choices)")
+        if not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
+            raise UpstreamFailed("upstream reply is not a chat completion (no message)")
+        if reply.get("usage") is not None and type(reply["usage"]) is not dict:
+            raise UpstreamFailed("upstream reply's usage is not an object")
+        try:
+            self.settings.upstream.take_reply(reply, self.tally)
+            if self.tally.finish_reason is None:
+                raise UpstreamFailed("upstream reply has no finish_reason")
+            if self.req.stream:  # the server cannot stream with token flags: synthesize it
+                translator = self.translator = self.dialect.stream(self.req)
+                if self.tally.prompt_ids is not None:
+                    translator.prompt_tokens = len(self.tally.prompt_ids)
+                pieces = []
+                for chunk in reply_to_chunks(reply):
+                    self.assembler.feed(chunk)
+                    pieces.append(translator.chunk(chunk))
+                body, tail = b"".join(pieces), translator.finish()
+            else:
+                self.assembler.feed(reply)
+                body = json.dumps(self.dialect.reply(self.req, reply), ensure_ascii=False).encode()
+        except _MALFORMED as e:
+            raise _malformed(e, "a reply") from None
+        if self.req.stream:
             await out.start(200, translator.content_type)
-            pieces = []
-            for chunk in reply_to_chunks(reply):
-                self.assembler.feed(chunk)
-                pieces.append(translator.chunk(chunk))
-            await self._write(out, b"".join(pieces))
-            await self._complete(out, translator.finish())
+            await self._write(out, body)
+            await self._complete(out, tail)
         else:
-            self.assembler.feed(reply)
-            harness_reply = self.dialect.reply(self.req, reply)
             self.record.mark_first_byte()
             # send() only sets the response: the gateway writes it after run() returns, so
             # the whole body is what waits for the record here.
-            await out.send(200, json.dumps(harness_reply, ensure_ascii=False).encode())
+            await out.send(200, body)
             self.finish("completed")
             await self._durable()
 
@@ -269,14 +324,22 @@ class Call:
         detail = raw.decode("utf-8", "replace").strip()
         try:
             detail = _error_message(json.loads(detail)) or detail
-        except (json.JSONDecodeError, ValueError):
+        except (RecursionError, ValueError):
             pass
+        detail = _clean(detail)
         url = self.settings.upstream.base_url
         message = f"upstream {url} returned HTTP {resp.status}" + (f": {detail}" if detail else "")
+        if resp.status == 404:
+            message += (
+                f" (polar-mitm sent model {self.record.model_served!r}: polar_model, or the first "
+                "model the server lists)"
+            )
         kind = "invalid_request_error" if 400 <= resp.status < 500 else "server_error"
         if resp.status == 429:
             kind = "rate_limit_error"
-        return UpstreamFailed(message, resp.status, kind)
+        status = resp.status if 400 <= resp.status < 600 else 502
+        headers = {h: resp.headers[h] for h in _ERROR_HEADERS if h in resp.headers} or None
+        return UpstreamFailed(message, status, kind, headers)
 
     def _drop_output_cap(self, status: int, failure: UpstreamFailed, body: dict[str, Any]) -> bool:
         """The harness's output cap is an upper bound (Claude Code asks up to 128000), but vLLM
@@ -296,11 +359,16 @@ class Call:
         return True
 
     async def _answer_error(self, out: Output, e: UpstreamFailed) -> None:
-        self.record.http_status = e.status
+        # http_status is what the harness got: a stream already under way stays a 200 and ends
+        # with the dialect's error event.
+        self.record.http_status = 200 if out.started else e.status
         try:
             if out.started:
                 translator = self.translator or self.dialect.stream(self.req)
                 await out.write(translator.fail(e.message, e.kind))
+            elif e.headers:
+                body = self.dialect.error_bytes(e.status, e.message, e.kind)
+                await out.send(e.status, body, headers=e.headers)
             else:
                 await out.send(e.status, self.dialect.error_bytes(e.status, e.message, e.kind))
         except ClientGone:
@@ -321,6 +389,29 @@ class Call:
         if self._finished:
             return
         self._finished = True
+        record = self.record
+        try:
+            job = self._fill(status, error)
+        except Exception as e:  # a bug of ours must still leave a record
+            log.exception("polar-mitm: call %s: cannot complete its record", record.call_id)
+            job = None
+            record.status = "error"
+            record.error = (
+                f"{error or status}; polar-mitm internal error completing the record: {e}"
+            )
+            record.trainable = False
+            record.flag("record_incomplete")
+        if job is not None:
+            # Not held for: the record needs the retokenizer first, the harness does not.
+            assert self.settings.retokenizer is not None
+            self.settings.retokenizer.submit(job, lambda: deliver(record, self.sinks))
+        else:
+            self._receipts = deliver(record, self.sinks)
+        if self.on_done is not None:
+            self.on_done(self)
+
+    def _fill(self, status: str, error: str | None) -> RetokenizeJob | None:
+        """Fill the record from the tally; the no-ids fallback's job when it must retokenize."""
         record, tally = self.record, self.tally
         record.finished_at = now_us()
         record.status = status
@@ -332,6 +423,8 @@ class Call:
         record.output_logprobs = tally.logprobs
         record.finish_reason = tally.finish_reason or self.assembler.finish_reason
         record.model_served = tally.model or record.model_served
+        if not isinstance(tally.usage, dict):
+            tally.usage = None
         if tally.usage:
             record.usage_json = json.dumps(tally.usage)
             record.usage_prompt_tokens = _int_or_none(tally.usage.get("prompt_tokens"))
@@ -371,18 +464,12 @@ class Call:
                     prompt_ids=tally.prompt_ids,
                     output_ids=tally.output_ids if tally.saw_output_ids else None,
                 )
-                # Not held for: the record needs the retokenizer first, the harness does not.
-                fallback.submit(job, lambda: deliver(record, self.sinks))
-                if self.on_done is not None:
-                    self.on_done(self)
-                return
+                return job
             self.settings.upstream.warn_missing_ids(
                 "set polar_tokenizer (a Hugging Face tokenizer dir with the chat template) to "
                 "retokenize; until then those records have no ids (flag missing_token_ids)"
             )
-        self._receipts = deliver(record, self.sinks)
-        if self.on_done is not None:
-            self.on_done(self)
+        return None
 
     def abort(self, reason: str, status: str = "client_aborted") -> None:
         """Stop the call: the harness went away (mitmproxy's error hook, `client_aborted`) or the
@@ -394,14 +481,32 @@ class Call:
             self.finish(status, reason)
 
 
+def _json_value(data: str, what: str) -> Any:
+    """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused."""
+    value = json.loads(data)
+    if "\\ud" in data or "\\uD" in data:  # rare: only then look at the strings
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"the {what} holds a lone surrogate escape: not valid Unicode"
+            ) from None
+    return value
+
+
 def _json_chunk(data: str) -> dict[str, Any]:
     try:
-        chunk = json.loads(data)
-    except (json.JSONDecodeError, ValueError) as e:
+        chunk = _json_value(data, "chunk")
+    except (RecursionError, ValueError) as e:
         raise UpstreamFailed(f"upstream sent invalid JSON in a stream chunk: {e}") from None
     if not isinstance(chunk, dict):
         raise UpstreamFailed("upstream sent a stream chunk that is not a JSON object")
     return chunk
+
+
+def _clean(text: str) -> str:
+    """Upstream text for an error message: valid UTF-8 (no lone surrogates), bounded."""
+    return text[:2000].encode("utf-8", "replace").decode("utf-8")
 
 
 def _error_message(obj: Any) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import aiohttp
 from aiohttp import web
@@ -52,9 +53,15 @@ class _WebOutput:
         except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError) as e:
             raise ClientGone() from e
 
-    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    async def send(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.response = web.Response(
-            status=status, body=body, headers={"Content-Type": content_type}
+            status=status, body=body, headers={**(headers or {}), "Content-Type": content_type}
         )
 
 

@@ -45,7 +45,7 @@ class RolloutIdentity:
 def split_group(rollout_id: str) -> tuple[str | None, int | None]:
     """`task.3` -> ("task", 3); an id without a numeric last part is its own group of one."""
     group, dot, sample = rollout_id.rpartition(".")
-    if dot and group and sample.isdigit():
+    if dot and group and sample.isdigit() and len(sample) <= 9:  # an int32 column
         return group, int(sample)
     return None, None
 

@@ -25,16 +25,20 @@ class Counts:
 
 def counts(usage: dict[str, Any] | None, prompt_tokens: int | None = None) -> Counts:
     """Read a chat `usage` object; `prompt_tokens` fills in when the server sent none yet."""
-    if not usage:
+    if not usage or not isinstance(usage, dict):
         return Counts(prompt=prompt_tokens or 0)
-    prompt_details = usage.get("prompt_tokens_details") or {}
-    completion_details = usage.get("completion_tokens_details") or {}
+    prompt_details = _dict(usage.get("prompt_tokens_details"))
+    completion_details = _dict(usage.get("completion_tokens_details"))
     return Counts(
         prompt=_int(usage.get("prompt_tokens"), prompt_tokens or 0),
         completion=_int(usage.get("completion_tokens")),
         cached=_int(prompt_details.get("cached_tokens")),
         reasoning=_int(completion_details.get("reasoning_tokens")),
     )
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def responses_usage(c: Counts) -> dict[str, Any]:

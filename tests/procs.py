@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,7 +26,10 @@ def free_port() -> int:
 
 
 class Proc:
-    """A child process whose combined output is kept (and shown when a test fails)."""
+    """A child process whose combined output is kept (and shown when a test fails).
+
+    A thread drains the output as it comes: mitmdump prints a line per flow, and a pipe nobody
+    reads fills after a few hundred flows and blocks the proxy."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
@@ -40,55 +43,44 @@ class Proc:
             cwd=ROOT,
         )
         self._seen = b""
+        self._eof = False
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.popen.stdout is not None
+        while data := self.popen.stdout.read1(1 << 16):
+            with self._cond:
+                self._seen += data
+                if not self._log.closed:
+                    self._log.write(data)
+                    self._log.flush()
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
 
     def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
-        """Read output until `pattern` appears; fail with the output so far if it does not."""
+        """Wait until `pattern` appears in the output; fail with the output so far if it does not."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
-        sel = selectors.DefaultSelector()
-        assert self.popen.stdout is not None
-        sel.register(self.popen.stdout, selectors.EVENT_READ)
-        os.set_blocking(self.popen.stdout.fileno(), False)
-        try:
+        with self._cond:
             while True:
                 match = regex.search(self._seen.decode("utf-8", "replace"))
                 if match:
                     return match
                 left = deadline - time.monotonic()
-                if left <= 0 or self.popen.poll() is not None and not sel.select(0):
+                if left <= 0 or self._eof:
                     raise RuntimeError(
                         f"{self.args[:3]} did not print {pattern!r} "
-                        f"(rc={self.popen.poll()}):\n{self.output()}"
+                        f"(rc={self.popen.poll()}):\n{self._seen.decode('utf-8', 'replace')}"
                     )
-                if sel.select(min(left, 0.5)):
-                    self._pump()
-        finally:
-            sel.close()
-
-    def _pump(self) -> None:
-        assert self.popen.stdout is not None
-        try:
-            data = self.popen.stdout.read(1 << 16)
-        except BlockingIOError:
-            return
-        if data:
-            self._seen += data
-            self._log.write(data)
-            self._log.flush()
+                self._cond.wait(min(left, 0.5))
 
     def output(self) -> str:
-        if self.popen.stdout is not None:
-            try:
-                os.set_blocking(self.popen.stdout.fileno(), False)
-                while True:
-                    data = self.popen.stdout.read(1 << 16)
-                    if not data:
-                        break
-                    self._seen += data
-                    self._log.write(data)
-            except (BlockingIOError, ValueError, OSError):
-                pass
-        return self._seen.decode("utf-8", "replace")
+        with self._cond:
+            return self._seen.decode("utf-8", "replace")
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
         if self.popen.poll() is None:
@@ -98,8 +90,9 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
-        self.output()
-        self._log.close()
+        self._reader.join(10)
+        with self._cond:
+            self._log.close()
         return self.popen.returncode
 
 

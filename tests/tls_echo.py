@@ -23,17 +23,26 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(days=1))
         .not_valid_after(now + datetime.timedelta(days=2))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = tmp / "echo-cert.pem", tmp / "echo-key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return cert_path, key_path
 
 
@@ -41,6 +50,7 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
 class TLSEcho:
     server: ThreadingHTTPServer
     seen_paths: list[str] = field(default_factory=list)
+    seen_headers: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def port(self) -> int:
@@ -66,6 +76,7 @@ def start_tls_echo(tmp: Path) -> TLSEcho:
 
         def _send(self, body: bytes) -> None:
             holder[0].seen_paths.append(self.path)
+            holder[0].seen_headers.append({k.lower(): v for k, v in self.headers.items()})
             self.send_response(200)
             self.send_header("content-type", "application/octet-stream")
             self.send_header("content-length", str(len(body)))

@@ -10,9 +10,14 @@ is one new module with one `Dialect` subclass, registered in `dialects/__init__.
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
+
+# A JSON escape of a UTF-16 surrogate. Paired ones (an emoji from an ASCII-only encoder) are fine;
+# a lone one decodes to a string that cannot be encoded as UTF-8, so no store or server can take it.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class DialectError(Exception):
@@ -107,15 +112,27 @@ class Dialect(ABC):
 
 
 def load_json_object(body: bytes) -> dict[str, Any]:
-    """Shared first step of `parse`: the body must be a JSON object."""
+    """Shared first step of `parse`: the body must be a JSON object of valid Unicode text."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DialectError(f"request body is not valid JSON: {e}") from None
+        # Strict UTF-8 (RFC 8259), not json's own decoding: that one lets surrogates encoded as
+        # bytes through ("surrogatepass"), and no store or tokenizer takes them.
+        text = body.decode("utf-8")
+        data = json.loads(text)
     except RecursionError:
         raise DialectError("request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of 5000 digits
+        raise DialectError(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise DialectError(f"request body must be a JSON object, not {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(text) is not None:  # rare: only then look at the strings
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise DialectError(
+                "request body holds a lone surrogate escape (e.g. \\ud800): not valid Unicode text"
+            ) from None
+        except RecursionError:
+            raise DialectError("request body is nested too deeply") from None
     return data
 
 

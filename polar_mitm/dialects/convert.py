@@ -32,7 +32,7 @@ def new_id(prefix: str) -> str:
 
 def safe_id(value: str | None, prefix: str) -> str:
     """The upstream's tool-call id when it is a plain token, else a fresh one."""
-    if value and len(value) <= 128 and all(c in _ID_CHARS for c in value):
+    if isinstance(value, str) and 0 < len(value) <= 128 and all(c in _ID_CHARS for c in value):
         return value
     return new_id(prefix)
 

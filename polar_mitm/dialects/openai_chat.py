@@ -8,6 +8,7 @@ name and without the token fields we asked the server for (`prompt_token_ids`, `
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from ..sse import encode_json
@@ -65,6 +66,9 @@ class OpenAIChat(Dialect):
 
     def reply(self, req: HarnessRequest, chat_reply: dict[str, Any]) -> dict[str, Any]:
         chat_reply["model"] = req.model or chat_reply.get("model")
+        chat_reply["object"] = "chat.completion"
+        if not isinstance(chat_reply.get("id"), str):
+            chat_reply["id"] = _new_id()
         if not req.wants_logprobs:
             _drop_logprobs(chat_reply)
         return chat_reply
@@ -77,12 +81,13 @@ class OpenAIChat(Dialect):
 
 
 class _ChatStream(StreamTranslator):
-    __slots__ = ("model", "logprobs", "usage")
+    __slots__ = ("model", "logprobs", "usage", "id")
 
     def __init__(self, req: HarnessRequest) -> None:
         self.model = req.model
         self.logprobs = req.wants_logprobs
         self.usage = req.wants_usage
+        self.id: str | None = None
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         if not self.usage:
@@ -91,6 +96,12 @@ class _ChatStream(StreamTranslator):
             chunk.pop("usage", None)
         if self.model:
             chunk["model"] = self.model
+        # One id and the chunk type on every chunk, whatever the server sent: SDKs key on them.
+        if self.id is None:
+            upstream_id = chunk.get("id")
+            self.id = upstream_id if isinstance(upstream_id, str) else _new_id()
+        chunk["id"] = self.id
+        chunk["object"] = "chat.completion.chunk"
         if not self.logprobs:
             _drop_logprobs(chunk)
         return encode_json(chunk)
@@ -100,7 +111,13 @@ class _ChatStream(StreamTranslator):
 
     def fail(self, message: str, kind: str = "server_error") -> bytes:
         # OpenAI ends a failed stream with an error object; the SDKs raise APIError on it.
-        return encode_json({"error": {"message": message, "type": kind, "param": None, "code": None}})
+        return encode_json(
+            {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        )
+
+
+def _new_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
 
 
 def _drop_logprobs(obj: dict[str, Any]) -> None:

@@ -211,7 +211,7 @@ def _parts(content: Any, where: str, images: bool = True) -> str | list[dict[str
         if not isinstance(part, dict):
             raise DialectError(f"{where}[{j}] must be an object")
         kind = part.get("type")
-        if kind in _TEXT_PARTS:
+        if isinstance(kind, str) and kind in _TEXT_PARTS:
             parts.append(text_part(str(part.get("text") or "")))
         elif kind == "refusal":
             parts.append(text_part(str(part.get("refusal") or "")))

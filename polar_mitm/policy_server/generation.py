@@ -115,6 +115,14 @@ def sample(renderer: Renderer, scenario: Scenario, call: ChatCall, max_model_len
     Raises :class:`RequestError` for requests vLLM refuses (prompt or ``max_tokens`` beyond
     ``max_model_len``, ``max_tokens < 1``).
     """
+    at_least = renderer.min_prompt_tokens(call.render)
+    if at_least >= max_model_len:  # far too long: say so without tokenizing it (20 MB: 30 s)
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"at least {at_least} input tokens. Please reduce the length of the input messages. "
+            f"(parameter=input_tokens, value={at_least})",
+            param="input_tokens",
+        )
     prompt = renderer.prompt(call.render)
     n_prompt = len(prompt.ids)
     limit = token_limit(n_prompt, call.max_tokens, max_model_len)

@@ -141,6 +141,7 @@ class Renderer:
         self._prompts = _LRU(cache_size)
         self._completions = _LRU(cache_size)
         self._token_strs: dict[int, str] = {}
+        self._max_token_chars: int | None = None
         # Fast tokenizers are not safe to drive from several threads at once (transformers may
         # reconfigure truncation/padding on the shared Rust object: "Already borrowed").
         self._lock = threading.RLock()
@@ -177,6 +178,21 @@ class Renderer:
             return Prompt(ids=tuple(int(i) for i in ids), text=text)
 
         return self._prompts.get_or_make(inp.key, make)
+
+    def min_prompt_tokens(self, inp: RenderInput) -> int:
+        """A lower bound on the prompt's token count without tokenizing: the characters of the
+        messages' text over the longest token's length. Tokenizing a 20 MB prompt takes half a
+        minute; this bound turns it away at once when it is far beyond the context length."""
+        chars = 0
+        for message in inp.messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+        if chars < self.max_model_len:  # cannot exceed: at least one character per token
+            return 0
+        if self._max_token_chars is None:
+            self._max_token_chars = max(len(t) for t in self.tokenizer.get_vocab())
+        return chars // self._max_token_chars
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with self._lock:

@@ -7,8 +7,12 @@ Endpoints (vLLM kind):
 * test control under ``/_polar/``: ``POST /_polar/release`` (let held last chunks go; answers
   ``{"released": n}``; ``?wait=S`` first waits up to S seconds until a reply is held), ``GET /_polar/requests`` (the last 100 requests to the API endpoints, newest
   last, as ``{"method", "path", "query", "headers", "body", "raw"}``: ``body`` is the decoded JSON or
-  ``null``, ``raw`` the body text exactly as received), ``POST /_polar/reset`` (forget the log and let
-  every held stream go).
+  ``null``, ``raw`` the body text exactly as received), ``POST /_polar/reset`` (forget the log, the
+  armed faults and the counters, and let every held stream go), ``POST /_polar/faults`` (arm a fault
+  for the request whose first user message is ``key``: ``{"key", "fault"}`` or a list of them; see
+  ``faults.py``), ``GET /_polar/stats`` (counters: ``chat_requests``, ``streams_started``,
+  ``streams_completed``, ``bytes_sent`` (stream bytes written), ``client_gone`` — the client closed the connection before the reply was
+  sent, e.g. a proxy that cancelled the call — and ``resets``, connections reset by a fault).
 
 Work per request: the chat template and tokenization run in a worker thread (``asyncio.to_thread``) so
 other streams keep flowing, and the wire kind turns the result into the exact bytes of every chunk
@@ -24,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import deque
+import socket
+import struct
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from ..conversation import RequestError, render_input
-from .faults import apply_fault
+from .faults import STANDALONE, apply_fault, fault_spec
 from .generation import sample
 from .render import Renderer
 from .scenario import Scenario
@@ -74,6 +80,8 @@ class Control:
 
     def __init__(self) -> None:
         self.requests: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_SIZE)
+        self.armed: dict[str, Any] = {}  # first user message -> fault spec, used once
+        self.stats: Counter[str] = Counter()
         self._holds: set[asyncio.Event] = set()
         self._held = asyncio.Event()  # set while at least one hold is registered
 
@@ -116,7 +124,59 @@ class Control:
 
     def reset(self) -> None:
         self.requests.clear()
+        self.armed.clear()
+        self.stats.clear()
         self.release()
+
+    def arm(self, body: Any) -> int:
+        """``POST /_polar/faults``: remember faults by the first user message they apply to."""
+        items = body if isinstance(body, list) else [body]
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("key"), str):
+                raise ValueError("each armed fault needs a string 'key' and a 'fault'")
+            self.armed[item["key"]] = item.get("fault")
+        return len(items)
+
+    def take_armed(self, body: Any) -> Any:
+        """The fault armed for this request body (removed: it fires once), or None."""
+        if not self.armed or not isinstance(body, dict):
+            return None
+        key = _first_user_text(body.get("messages"))
+        return self.armed.pop(key, None) if key is not None else None
+
+
+def _first_user_text(messages: Any) -> str | None:
+    for message in messages if isinstance(messages, list) else ():
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = [p.get("text") for p in content if isinstance(p, dict)]
+                content = "\n".join(p for p in parts if isinstance(p, str))
+            return content if isinstance(content, str) else None
+    return None
+
+
+def _reset_connection(request: web.Request) -> None:
+    """Close the connection with a TCP RST (SO_LINGER 0), the way a crashed server's peer sees it."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+async def _stall(request: web.Request, seconds: float) -> bool:
+    """Send nothing for ``seconds``; False as soon as the client closes the connection."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while (left := end - loop.time()) > 0:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return False
+        await asyncio.sleep(min(left, 0.05))
+    return True
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -163,6 +223,8 @@ class PolicyServer:
         app.router.add_post("/_polar/release", self.release)
         app.router.add_get("/_polar/requests", self.requests)
         app.router.add_post("/_polar/reset", self.reset)
+        app.router.add_post("/_polar/faults", self.arm_faults)
+        app.router.add_get("/_polar/stats", self.stats)
         for add_routes in extra_routes:
             add_routes(app, self)
         return app
@@ -235,28 +297,43 @@ class PolicyServer:
     def _bad_request(self, e: RequestError) -> WireError:
         return WireError(400, self.wire.error(400, str(e), "BadRequestError", e.param))
 
-    def plan(self, call: ChatCall) -> ReplyPlan:
-        """Generate and build the reply (blocking: run it in a thread)."""
+    def plan(self, call: ChatCall, armed: Any = None) -> ReplyPlan:
+        """Generate and build the reply (blocking: run it in a thread). An ``armed`` fault (see
+        ``POST /_polar/faults``) replaces the turn's."""
         result = sample(self.renderer, self.scenario, call, self.max_model_len)
         plan = self.wire.chat_reply(call, result, self.served_model)
         plan.hold = result.turn.hold_last
         plan.delay_s = result.turn.delay_s
-        return apply_fault(result.turn.fault, plan)
+        return apply_fault(armed if armed is not None else result.turn.fault, plan)
 
     async def play(self, request: web.Request, plan: ReplyPlan) -> web.StreamResponse:
         """Send a plan: delay, pacing (``--token-rate``), the optional hold before the final event."""
         held = self.control.hold() if plan.hold else None
+        stats = self.control.stats
         try:
             if plan.delay_s > 0:
                 await asyncio.sleep(plan.delay_s)
+            if plan.stall_after == 0 and not await _stall(request, plan.stall_s):
+                stats["client_gone"] += 1
+                return web.Response()
+            if plan.abort_after == 0:
+                stats["resets"] += 1
+                _reset_connection(request)
+                return web.Response()
             if not plan.stream:
                 if held is not None:
                     await self.control.wait(held)
-                return web.Response(
-                    body=b"".join(plan.events),
-                    status=plan.status,
-                    headers={"Content-Type": plan.content_type, **plan.headers},
-                )
+                body = b"".join(plan.events)
+                headers = {"Content-Type": plan.content_type, **plan.headers}
+                if plan.abort_after is not None:  # reset half-way through the body
+                    response = web.StreamResponse(status=plan.status, headers=headers)
+                    response.content_length = len(body)
+                    await response.prepare(request)
+                    await response.write(body[: len(body) // 2])
+                    stats["resets"] += 1
+                    _reset_connection(request)
+                    return response
+                return web.Response(body=body, status=plan.status, headers=headers)
             response = web.StreamResponse(
                 status=plan.status,
                 headers={
@@ -266,11 +343,21 @@ class PolicyServer:
                 },
             )
             await response.prepare(request)
+            stats["streams_started"] += 1
             rate = self.config.token_rate
             loop = asyncio.get_running_loop()
             start, generated = loop.time(), 0
             try:
-                for i, event in enumerate(plan.events):
+                for i, event in enumerate([*plan.events, None]):
+                    if i == plan.abort_after:
+                        stats["resets"] += 1
+                        _reset_connection(request)
+                        return response
+                    if i == plan.stall_after and not await _stall(request, plan.stall_s):
+                        stats["client_gone"] += 1
+                        return response
+                    if event is None:
+                        break
                     if held is not None and i == plan.final_index:
                         await self.control.wait(held)
                         held = None
@@ -281,8 +368,11 @@ class PolicyServer:
                         if wait > 0:
                             await asyncio.sleep(wait)
                     await response.write(event)
+                    stats["bytes_sent"] += len(event)
                 await response.write_eof()
+                stats["streams_completed"] += 1
             except (ConnectionResetError, ConnectionError):
+                stats["client_gone"] += 1
                 log.info("client went away mid-stream")
             return response
         finally:
@@ -295,9 +385,15 @@ class PolicyServer:
         body = await self._body(request)
         if self.config.ignore_token_flags and isinstance(body, dict):
             body = {k: v for k, v in body.items() if k not in TOKEN_FLAGS}
+        self.control.stats["chat_requests"] += 1
+        armed = self.control.take_armed(body)
+        spec = fault_spec(armed)
+        if spec is not None and spec["mode"] in STANDALONE:  # no generation needed
+            empty = ReplyPlan(200, "text/event-stream", [], [], stream=bool(body.get("stream")))
+            return await self.play(request, apply_fault(spec, empty))
         call = self.wire.parse_chat(body, self.served_model)
         try:
-            plan = await asyncio.to_thread(self.plan, call)
+            plan = await asyncio.to_thread(self.plan, call, armed)
         except RequestError as e:
             raise self._bad_request(e) from None
         return await self.play(request, plan)
@@ -365,3 +461,13 @@ class PolicyServer:
     async def reset(self, request: web.Request) -> web.Response:
         self.control.reset()
         return _json({"ok": True})
+
+    async def arm_faults(self, request: web.Request) -> web.Response:
+        try:
+            armed = self.control.arm(await request.json())
+        except ValueError as e:
+            return _json({"error": str(e)}, 400)
+        return _json({"armed": armed})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return _json(dict(self.control.stats))

@@ -53,7 +53,11 @@ class ReplyPlan:
     non-streaming reply is a single event. ``tokens[i]`` is how many sampled tokens event ``i``
     carries (for ``--token-rate`` pacing). ``final_index`` is the event that ends the generation
     (the chunk with ``finish_reason``; ``0`` for a non-streaming reply): with ``hold`` set, everything
-    before it is sent, then the server waits for ``POST /_polar/release`` before sending the rest."""
+    before it is sent, then the server waits for ``POST /_polar/release`` before sending the rest.
+
+    Fault modes (``faults.py``) set the connection-level knobs: ``abort_after`` (reset the connection
+    after that many events; 0 = before the status line) and ``stall_after`` / ``stall_s`` (after that
+    many events go silent for ``stall_s`` seconds, or until the client leaves)."""
 
     status: int
     content_type: str
@@ -64,6 +68,9 @@ class ReplyPlan:
     hold: bool = False
     delay_s: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
+    abort_after: int | None = None
+    stall_after: int | None = None
+    stall_s: float = 0.0
 
 
 class Wire(Protocol):

@@ -116,9 +116,7 @@ class SGLang(Upstream):
                 triple_lps = [float(t[0]) for t in triples]
                 triple_ids = [int(t[1]) for t in triples]
             except (TypeError, ValueError, IndexError):
-                tally.notes.append(
-                    "meta_info.output_token_logprobs is not [logprob, id, text] triples"
-                )
+                tally.flags.append("sglang_malformed_triples")
                 triple_ids = triple_lps = None
         if isinstance(ids, list):
             tally.saw_output_ids = True

@@ -1,0 +1,299 @@
+"""How the fault suite speaks each harness dialect: one row per entry of `polar_mitm.dialects.DIALECTS`.
+
+A row knows what a valid request looks like and how to read that dialect's replies, stream events
+and error shape, written from the public API's documentation, not from `polar_mitm.dialects` (a bug
+there must not hide in the test too). Every fault test and the fuzz run once per row, so a new
+dialect joins the suite by adding a row to `ROWS`; a dialect without one fails `test_every_dialect_
+has_a_row` and every test parametrized on it.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from polar_mitm.dialects import DIALECTS
+
+
+@dataclass(frozen=True)
+class ErrorShape:
+    type: str
+    message: str
+
+
+@dataclass
+class StreamResult:
+    """A harness's event stream, checked to be well formed for its dialect."""
+
+    events: list[Any] = field(default_factory=list)  # decoded `data:` payloads, in order
+    text: str = ""  # the visible text (content deltas)
+    reply_id: str | None = None
+    done: bool = False  # ended the dialect's normal way
+    error: ErrorShape | None = None  # ended with the dialect's error event
+
+
+class DialectRow(ABC):
+    name: str
+    host: str
+    path: str
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.host}{self.path}"
+
+    @abstractmethod
+    def body(self, text: str, stream: bool, **extra: Any) -> dict[str, Any]:
+        """A valid request whose first (only) user message is `text`."""
+
+    @abstractmethod
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        """The headers this harness sends, with its API key where it puts it."""
+
+    @abstractmethod
+    def error(self, payload: Any) -> ErrorShape:
+        """Read an error body; AssertionError if it is not this dialect's error shape."""
+
+    @abstractmethod
+    def reply(self, payload: Any) -> tuple[str, str | None]:
+        """(visible text, reply id) of a non-streaming reply; AssertionError if malformed."""
+
+    @abstractmethod
+    def stream(self, payloads: list[str]) -> StreamResult:
+        """Check and read a stream given its `data:` payloads (AssertionError if malformed)."""
+
+    def kind(self, kind: str) -> str:
+        """This dialect's error type for one of the OpenAI-named kinds the suite expects."""
+        return kind
+
+
+class OpenAIChatRow(DialectRow):
+    """OpenAI chat completions: `{"error": {message, type, param, code}}`; a stream of
+    `chat.completion.chunk` objects ending in `data: [DONE]`, or in an error object."""
+
+    name = "openai_chat"
+    host = "api.openai.com"
+    path = "/v1/chat/completions"
+
+    def body(self, text: str, stream: bool, **extra: Any) -> dict[str, Any]:
+        return {
+            "model": "gpt-4.1-mini",
+            "messages": [{"role": "user", "content": text}],
+            "stream": stream,
+            **extra,
+        }
+
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def error(self, payload: Any) -> ErrorShape:
+        assert isinstance(payload, dict) and set(payload) == {"error"}, payload
+        err = payload["error"]
+        assert isinstance(err, dict) and {"message", "type"} <= set(err), payload
+        assert isinstance(err["message"], str) and err["message"], payload
+        assert isinstance(err["type"], str) and err["type"], payload
+        return ErrorShape(err["type"], err["message"])
+
+    def reply(self, payload: Any) -> tuple[str, str | None]:
+        assert isinstance(payload, dict) and payload.get("object") == "chat.completion", payload
+        assert isinstance(payload.get("id"), str), payload
+        choices = payload["choices"]
+        assert isinstance(choices, list) and choices, payload
+        choice = choices[0]
+        message = choice["message"]
+        assert isinstance(message, dict) and choice["finish_reason"], payload
+        assert "token_ids" not in choice and "prompt_token_ids" not in payload, payload
+        content = message.get("content")
+        return content if isinstance(content, str) else "", payload["id"]
+
+    def stream(self, payloads: list[str]) -> StreamResult:
+        result = StreamResult()
+        text = []
+        for i, data in enumerate(payloads):
+            assert not result.done and result.error is None, f"event after the end: {data!r}"
+            if data == "[DONE]":
+                result.done = True
+                continue
+            obj = json.loads(data)
+            result.events.append(obj)
+            assert isinstance(obj, dict), data
+            if obj.get("error"):  # what the SDKs raise on (`"error": null` is no error)
+                result.error = self.error(obj)
+                continue
+            assert obj.get("object") == "chat.completion.chunk", data
+            assert "prompt_token_ids" not in obj, data
+            if result.reply_id is None:
+                result.reply_id = obj.get("id")
+            assert obj.get("id") == result.reply_id, f"chunk {i} changed id: {data!r}"
+            for choice in obj.get("choices") or ():
+                assert "token_ids" not in choice, data
+                content = (choice.get("delta") or {}).get("content")
+                if isinstance(content, str):
+                    text.append(content)
+        result.text = "".join(text)
+        return result
+
+
+class OpenAIResponsesRow(DialectRow):
+    """OpenAI Responses (Codex): the chat dialect's error body; a stream of typed events from
+    `response.created` to `response.completed` / `response.incomplete`, or `response.failed`
+    with `response.error {code, message}`."""
+
+    name = "openai_responses"
+    host = "api.openai.com"
+    path = "/v1/responses"
+
+    def body(self, text: str, stream: bool, **extra: Any) -> dict[str, Any]:
+        message = {"type": "message", "role": "user",
+                   "content": [{"type": "input_text", "text": text}]}  # fmt: skip
+        return {"model": "gpt-5-codex", "input": [message], "stream": stream, "store": False,
+                **extra}  # fmt: skip
+
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def error(self, payload: Any) -> ErrorShape:
+        return OpenAIChatRow.error(self, payload)
+
+    def _text(self, output: Any) -> str:
+        assert isinstance(output, list), output
+        text = []
+        for item in output:
+            assert isinstance(item, dict) and isinstance(item.get("type"), str), item
+            if item["type"] == "message":
+                for part in item["content"]:
+                    if part.get("type") == "output_text":
+                        assert isinstance(part["text"], str), part
+                        text.append(part["text"])
+        return "".join(text)
+
+    def reply(self, payload: Any) -> tuple[str, str | None]:
+        assert isinstance(payload, dict) and payload.get("object") == "response", payload
+        assert payload["status"] in ("completed", "incomplete"), payload
+        assert isinstance(payload.get("id"), str), payload
+        return self._text(payload["output"]), payload["id"]
+
+    def stream(self, payloads: list[str]) -> StreamResult:
+        result = StreamResult()
+        text = []
+        for data in payloads:
+            assert not result.done and result.error is None, f"event after the end: {data!r}"
+            obj = json.loads(data)
+            result.events.append(obj)
+            assert isinstance(obj, dict) and isinstance(obj.get("type"), str), data
+            kind = obj["type"]
+            if kind == "error":
+                result.error = ErrorShape(str(obj.get("code")), obj["message"])
+            elif (
+                kind.startswith("response.")
+                and "response" in obj
+                and kind != "response.output_item.added"
+            ):
+                response = obj["response"]
+                if result.reply_id is None:
+                    result.reply_id = response["id"]
+                assert response["id"] == result.reply_id, data
+                if kind in ("response.completed", "response.incomplete"):
+                    result.done = True
+                elif kind == "response.failed":
+                    error = response["error"]
+                    result.error = ErrorShape(error["code"], error["message"])
+            elif kind == "response.output_text.delta":
+                assert isinstance(obj["delta"], str), data
+                text.append(obj["delta"])
+        assert result.reply_id is not None or result.error is not None, payloads[:3]
+        result.text = "".join(text)
+        return result
+
+
+class AnthropicMessagesRow(DialectRow):
+    """Anthropic Messages (Claude Code): `{"type": "error", "error": {type, message}}`; a stream
+    from `message_start` to `message_stop`, or an `error` event."""
+
+    name = "anthropic_messages"
+    host = "api.anthropic.com"
+    path = "/v1/messages"
+
+    def body(self, text: str, stream: bool, **extra: Any) -> dict[str, Any]:
+        return {"model": "claude-sonnet-4-5", "max_tokens": 4096, "stream": stream,
+                "messages": [{"role": "user", "content": text}], **extra}  # fmt: skip
+
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        headers = {"anthropic-version": "2023-06-01"}
+        if api_key:
+            headers["x-api-key"] = api_key
+        return headers
+
+    def error(self, payload: Any) -> ErrorShape:
+        assert isinstance(payload, dict) and payload.get("type") == "error", payload
+        err = payload["error"]
+        assert isinstance(err, dict) and isinstance(err.get("type"), str), payload
+        assert isinstance(err.get("message"), str) and err["message"], payload
+        return ErrorShape(err["type"], err["message"])
+
+    def kind(self, kind: str) -> str:
+        return {"server_error": "api_error"}.get(kind, kind)
+
+    def reply(self, payload: Any) -> tuple[str, str | None]:
+        assert isinstance(payload, dict) and payload.get("type") == "message", payload
+        assert payload["role"] == "assistant" and payload["stop_reason"], payload
+        assert isinstance(payload.get("id"), str), payload
+        text = [b["text"] for b in payload["content"] if b.get("type") == "text"]
+        assert all(isinstance(t, str) for t in text), payload
+        return "".join(text), payload["id"]
+
+    def stream(self, payloads: list[str]) -> StreamResult:
+        result = StreamResult()
+        text = []
+        for data in payloads:
+            assert not result.done and result.error is None, f"event after the end: {data!r}"
+            obj = json.loads(data)
+            result.events.append(obj)
+            assert isinstance(obj, dict) and isinstance(obj.get("type"), str), data
+            kind = obj["type"]
+            if kind == "error":
+                result.error = self.error(obj)
+            elif kind == "message_start":
+                assert result.reply_id is None, data
+                result.reply_id = obj["message"]["id"]
+            elif kind == "message_stop":
+                result.done = True
+            elif kind == "content_block_delta" and obj["delta"].get("type") == "text_delta":
+                assert isinstance(obj["delta"]["text"], str), data
+                text.append(obj["delta"]["text"])
+        assert result.reply_id is not None or result.error is not None, payloads[:3]
+        result.text = "".join(text)
+        return result
+
+
+#: The suite's rows, by dialect name. A new dialect adds its row here.
+ROWS: dict[str, DialectRow] = {
+    row.name: row for row in (OpenAIChatRow(), OpenAIResponsesRow(), AnthropicMessagesRow())
+}
+
+
+class MissingRow(DialectRow):
+    """Stands in for a dialect the suite has no row for: every use fails, saying what to add."""
+
+    host = path = ""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(
+            f"dialect {self.name!r} has no row in tests/faults/dialects.py ROWS: add one "
+            "(a valid body, its headers, how to read its replies, streams and errors)"
+        )
+
+    body = headers = error = reply = stream = _fail
+
+
+def dialect_rows() -> list[DialectRow]:
+    """One row per registered dialect, in registry order (parametrize with `ids=str`)."""
+    return [ROWS.get(d.name) or MissingRow(d.name) for d in DIALECTS]
+
+
+def row_id(row: DialectRow) -> str:
+    return row.name
