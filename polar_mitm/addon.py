@@ -5,6 +5,7 @@ One class per concern, composed in `addons/polar.py`:
 - `RolloutIdentityAddon`: remembers proxy credentials per client connection;
 - `TokenizerAddon`: loads the policy tokenizer (`polar_tokenizer`);
 - `RetokenizeAddon`: the no-ids fallback built on it (`polar_trust_retokenized`);
+- `ExactPrefixAddon`: exact-prefix mode (`polar_exact_prefix`): chains' exact tokens as prompts;
 - `FidelityAddon`: token fidelity checks of every call (`polar_fidelity`), between the merge
   and the store;
 - `StoreAddon`: the journal and Parquet shards under `polar_output`;
@@ -45,6 +46,7 @@ from .capture import (
 from .certs import DEFAULT_CONFDIR
 from .control import DEFAULT_HOST, ControlAPI, ControlServer, ControlState, encode, parse_listen
 from .dialects import Dialect, DialectError, HarnessRequest, detect
+from .exact_prefix import ExactPrefix
 from .exchange import Call, UpstreamSettings
 from .fidelity import PolicyTokenizer, TokenizerError, load_tokenizer
 from .fidelity_check import MODES as FIDELITY_MODES
@@ -52,6 +54,7 @@ from .fidelity_check import FidelityStage
 from .fidelity_check import describe as describe_fidelity
 from .gateway import Gateway
 from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, resolve
+from .output_parsers import FAMILIES, family
 from .retokenize import Retokenizer
 from .rollouts import Rollouts
 from .store import Store
@@ -310,6 +313,73 @@ class RetokenizeAddon:
         await self.drain()
 
 
+class ExactPrefixAddon:
+    """`polar_exact_prefix`: a call that extends one of its rollout's chains is sent to the
+    server's token-in endpoint with the chain's exact tokens as its prompt (exact_prefix.py)."""
+
+    def __init__(self, tokenizer: TokenizerAddon) -> None:
+        self.tokenizer = tokenizer
+        self.book: ExactPrefix | None = None
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_exact_prefix",
+            bool,
+            False,
+            "Exact-prefix mode: a call that extends one of its rollout's chains gets the chain's "
+            "exact tokens (as sampled) plus only its new messages rendered with polar_tokenizer's "
+            "chat template as its prompt, sent to the server's token-in endpoint (vLLM "
+            "/v1/completions, SGLang /generate); the raw reply is parsed back into the harness's "
+            "dialect with polar_output_parser. Other calls go the chat way. Needs polar_tokenizer "
+            "with a chat template.",
+        )
+        loader.add_option(
+            "polar_output_parser",
+            str,
+            "qwen3",
+            "Exact-prefix mode: the policy's output format, to turn raw generated text into "
+            f"reasoning, content and tool calls ({', '.join(FAMILIES)}).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if not {"polar_exact_prefix", "polar_output_parser", "polar_tokenizer"} & updated:
+            return
+        self.book = None
+        opts = ctx.options
+        try:
+            parser = family(opts.polar_output_parser)
+        except ValueError as e:
+            _errors.fail(f"polar_output_parser: {e}")
+            return
+        if not opts.polar_exact_prefix:
+            return
+        tok = self.tokenizer.tokenizer
+        if tok is None or not tok.has_chat_template:
+            _errors.fail(
+                "polar_exact_prefix: needs polar_tokenizer set to a tokenizer with a chat template "
+                "(a Hugging Face tokenizer dir or gguf:FILE), to render new messages as the server "
+                "would"
+            )
+            return
+        self.book = ExactPrefix(tok, parser)
+
+    def running(self) -> None:
+        if self.book is not None:
+            log.info(
+                "polar-mitm: exact-prefix mode on (chains rendered with %s, output parser %s)",
+                self.book.tokenizer.spec,
+                self.book.family.name,
+            )
+
+    def rollout_written(self, rollout_id: str) -> None:
+        if self.book is not None:
+            self.book.forget(rollout_id)
+
+    async def drain(self) -> None:
+        if self.book is not None:
+            await self.book.drain()
+
+
 class StoreAddon:
     """Every finished call goes to the journal (fsynced) and from there into Parquet shards."""
 
@@ -402,8 +472,10 @@ class CaptureAddon:
         retokenize: RetokenizeAddon | None = None,
         control: ControlState | None = None,
         tokenizer: TokenizerAddon | None = None,
+        exact: ExactPrefixAddon | None = None,
     ) -> None:
         self.identity = identity
+        self.exact = exact
         self.sinks = list(sinks)
         self.stall_timeout = 300.0
         self.connect_timeout = 10.0
@@ -416,6 +488,7 @@ class CaptureAddon:
         self._probe_lock = asyncio.Lock()
         self.hosts: frozenset[str] = frozenset()
         self.served_model: str | None = None
+        self.max_model_len: int | None = None  # the served model's, from GET /v1/models
         self.live: dict[str, Call] = {}
 
     def load(self, loader) -> None:
@@ -547,6 +620,8 @@ class CaptureAddon:
             call.abort("the proxy shut down mid-call", status="incomplete")
         if self.retokenize is not None:
             await self.retokenize.drain()
+        if self.exact is not None:
+            await self.exact.drain()
         await self.gateway.stop()
 
     # -- hooks --------------------------------------------------------------------------
@@ -684,12 +759,17 @@ class CaptureAddon:
         if req.local:
             await self._answer_locally(flow, dialect, req, record)
             return
+        book = self.exact.book if self.exact is not None else None
+        if book is not None:
+            book.flavor = self.upstream.template_flavor  # known only now with kind auto
         settings = UpstreamSettings(
             self.upstream,
             await self._served_model(),
             self.connect_timeout,
             self.stall_timeout,
             self.retokenize.retokenizer if self.retokenize is not None else None,
+            book,
+            self.max_model_len,
         )
         call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
         self.live[record.call_id] = call
@@ -804,14 +884,19 @@ class CaptureAddon:
         log.info("polar-mitm: polar_upstream_kind=auto: %s is %s (%s)", base, kind, evidence)
 
     async def _served_model(self, announce: bool = False) -> str | None:
-        """polar_model, or the first model the server lists (asked until it answers)."""
-        if self.served_model or self.upstream is None or self.gateway.session is None:
+        """polar_model, or the first model the server lists (asked until it answers); its
+        `max_model_len` on the way (exact-prefix mode caps token-in outputs with it)."""
+        known = self.served_model and (
+            self.max_model_len or self.exact is None or not self.exact.book
+        )
+        if known or self.upstream is None or self.gateway.session is None:
             return self.served_model
         url = self.upstream.base_url + "/v1/models"
         try:
             async with self.gateway.session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
                 data = await r.json(content_type=None)
-            models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+            cards = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+            models = [m["id"] for m in cards]
         except Exception as e:
             if announce:
                 log.warning(
@@ -820,8 +905,11 @@ class CaptureAddon:
                     self.upstream.base_url,
                     e or type(e).__name__,
                 )
-            return None
-        self.served_model = models[0] if models else None
+            return self.served_model
+        self.served_model = self.served_model or (models[0] if models else None)
+        card = next((c for c in cards if c["id"] == self.served_model), None)
+        limit = card.get("max_model_len") if card is not None else None
+        self.max_model_len = limit if isinstance(limit, int) and limit > 0 else None
         return self.served_model
 
 
@@ -830,9 +918,12 @@ class TrajectoryAddon:
     are written when the rollout ends: by the control plane, after `polar_rollout_idle`
     seconds without a call, or at shutdown (as `incomplete`)."""
 
-    def __init__(self, store: StoreAddon, control: ControlState) -> None:
+    def __init__(
+        self, store: StoreAddon, control: ControlState, exact: ExactPrefixAddon | None = None
+    ) -> None:
         self.store = store
         self.control = control
+        self.exact = exact
         self.rollouts = Rollouts(self._write)
         self.idle_s = 0.0
         self._idle_task: asyncio.Task | None = None
@@ -904,6 +995,9 @@ class TrajectoryAddon:
         if self.store.store is not None:
             for row in rows:
                 self.store.store.append("traces", row)
+        if self.exact is not None:  # an ended rollout's chains are not needed any more
+            for rollout_id in {row.get("rollout_id") for row in rows}:
+                self.exact.rollout_written(str(rollout_id))
 
     async def _end_idle(self) -> None:
         while True:
@@ -1015,9 +1109,10 @@ def polar_addons() -> list[object]:
     identity = RolloutIdentityAddon()
     tokenizer = TokenizerAddon()
     retokenize = RetokenizeAddon(tokenizer)
+    exact = ExactPrefixAddon(tokenizer)
     store = StoreAddon()
     state = ControlState()
-    trajectory = TrajectoryAddon(store, state)
+    trajectory = TrajectoryAddon(store, state, exact)
     # merge, then fidelity checks (worker), then the store
     stage = FidelityStage(trajectory.rollouts, [store])
     fidelity = FidelityAddon(tokenizer, stage)
@@ -1027,6 +1122,7 @@ def polar_addons() -> list[object]:
         retokenize=retokenize,
         control=state,
         tokenizer=tokenizer,
+        exact=exact,
     )
     control = ControlAddon(state, trajectory.rollouts, settle=stage.drain)
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
@@ -1036,6 +1132,7 @@ def polar_addons() -> list[object]:
         ProxySetup(),
         identity,
         tokenizer,
+        exact,
         control,
         capture,
         retokenize,

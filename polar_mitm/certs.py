@@ -17,7 +17,12 @@ CA_CERT = "mitmproxy-ca-cert.pem"
 CA_KEY = "mitmproxy-ca.pem"
 NO_PROXY = "localhost,127.0.0.1,::1"
 # Every variable that some harness (Rust reqwest, Node, Python requests/httpx) reads for a CA.
-CA_VARIABLES = ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CODEX_CA_CERTIFICATE")
+CA_VARIABLES = (
+    "NODE_EXTRA_CA_CERTS",
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CODEX_CA_CERTIFICATE",
+)
 
 
 def ensure_ca(confdir: str | os.PathLike[str] = DEFAULT_CONFDIR) -> Path:

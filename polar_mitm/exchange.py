@@ -24,8 +24,10 @@ import aiohttp
 from .assemble import ChatAssembler, reply_to_chunks
 from .capture import CallRecord, CallSink, deliver, now_us, redacted_json
 from .dialects import Dialect, HarnessRequest, StreamTranslator
+from .exact_prefix import ExactPrefix, Lookup, put_note
 from .retokenize import RetokenizeJob, Retokenizer
 from .sse import SSEParser
+from .token_in import TokenInReply
 from .upstream import TokenTally, Upstream
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class UpstreamSettings:
     connect_timeout: float = 10.0
     stall_timeout: float = 300.0
     retokenizer: Retokenizer | None = None  # the no-ids fallback, when polar_tokenizer allows it
+    exact: ExactPrefix | None = None  # polar_exact_prefix: chains and token-in prompts
+    max_model_len: int | None = None  # from the server's GET /v1/models (token-in output caps)
 
 
 class UpstreamFailed(Exception):
@@ -121,6 +125,9 @@ class Call:
         self.upstream_body: dict[str, Any] | None = None
         # The harness's stream, kept so that a failure ends the very stream it started.
         self.translator: StreamTranslator | None = None
+        # Exact-prefix mode: what the chain lookup found, and the token-in reply's converter.
+        self.lookup: Lookup | None = None
+        self.text_reply: TokenInReply | None = None
         self.task: asyncio.Task | None = None
         self._finished = False
         self._abort = ("client_aborted", "the harness closed the connection")
@@ -131,14 +138,41 @@ class Call:
     async def run(self, out: Output, session: aiohttp.ClientSession) -> None:
         self.task = asyncio.current_task()
         upstream = self.settings.upstream
-        stream_upstream = self.req.stream and upstream.streams_with_tokens
-        body = upstream.request_body(
-            self.req.chat,
-            model=self.settings.model or self.req.model or None,
-            stream=stream_upstream,
-            top_logprobs=self.req.top_logprobs,
-        )
-        self.record.model_served = body.get("model")
+        model = self.settings.model or self.req.model or None
+        exact = self.settings.exact
+        if exact is not None and upstream.token_in_path:
+            self.lookup = await exact.lookup(
+                self.record.rollout_id, self.req.chat, self.settings.max_model_len
+            )
+        plan = self.lookup.plan if self.lookup is not None else None
+        if plan is not None:
+            assert exact is not None
+            stream_upstream = self.req.stream and upstream.token_in_streams
+            body = upstream.token_in_body(
+                plan.prompt_ids, plan.sampling, model=model, stream=stream_upstream
+            )
+            url = upstream.token_in_url
+            self.record.route = "token_in"
+            self.tally.prompt_ids = plan.prompt_ids  # what was sent; the server's echo replaces it
+            self.text_reply = TokenInReply(
+                upstream,
+                plan,
+                exact.family,
+                exact.tokenizer.specials,
+                self.tally,
+                model,
+                self.req.wants_logprobs,
+            )
+        else:
+            stream_upstream = self.req.stream and upstream.streams_with_tokens
+            body = upstream.request_body(
+                self.req.chat,
+                model=model,
+                stream=stream_upstream,
+                top_logprobs=self.req.top_logprobs,
+            )
+            url = upstream.chat_url
+        self.record.model_served = model if plan is not None else body.get("model")
         self.upstream_body = body
         try:
             timeout = aiohttp.ClientTimeout(
@@ -147,7 +181,7 @@ class Call:
                 sock_read=self.settings.stall_timeout,
             )
             for retry in (False, True):
-                async with session.post(upstream.chat_url, json=body, timeout=timeout) as resp:
+                async with session.post(url, json=body, timeout=timeout) as resp:
                     if resp.status != 200:
                         failure = await self._upstream_error(resp)
                         if not retry and self._drop_output_cap(resp.status, failure, body):
@@ -214,13 +248,18 @@ class Call:
                     if chunk.get("error"):  # vLLM's mid-stream failure (SDKs raise on it)
                         message = _clean(_error_message(chunk) or event.data[:1000])
                         raise UpstreamFailed(f"upstream error mid-stream: {message}")
-                    upstream.take_chunk(chunk, self.tally)
+                    if self.text_reply is None:
+                        upstream.take_chunk(chunk, self.tally)
+                        chunks: Sequence[dict[str, Any]] = (chunk,)
+                    else:  # token-in: raw text, parsed into what the chat endpoint sends
+                        chunks = self.text_reply.chunks(chunk)
                     if translator.prompt_tokens is None and self.tally.prompt_ids is not None:
                         translator.prompt_tokens = len(self.tally.prompt_ids)
-                    self.assembler.feed(chunk)
-                    piece = translator.chunk(chunk)
-                    if piece:
-                        pieces.append(piece)
+                    for chunk in chunks:
+                        self.assembler.feed(chunk)
+                        piece = translator.chunk(chunk)
+                        if piece:
+                            pieces.append(piece)
             except _MALFORMED as e:
                 raise _malformed(e) from None
             if pieces:
@@ -242,6 +281,13 @@ class Call:
             reply = _json_value(raw.decode("utf-8"), "reply")
         except (UnicodeDecodeError, RecursionError, ValueError) as e:
             raise UpstreamFailed(f"upstream reply is not valid JSON: {e}") from None
+        if self.text_reply is not None:  # token-in: raw text, parsed as the chat endpoint would
+            if not isinstance(reply, dict):
+                raise UpstreamFailed("upstream token-in reply is not a JSON object")
+            try:
+                reply = self.text_reply.reply(reply)
+            except _MALFORMED as e:
+                raise _malformed(e, "a token-in reply") from None
         choices = reply.get("choices") if isinstance(reply, dict) else None
         if not isinstance(choices, list) or not choices:
             raise UpstreamFailed("upstream reply is not a chat completion (no choices)")
@@ -250,7 +296,8 @@ class Call:
         if reply.get("usage") is not None and type(reply["usage"]) is not dict:
             raise UpstreamFailed("upstream reply's usage is not an object")
         try:
-            self.settings.upstream.take_reply(reply, self.tally)
+            if self.text_reply is None:
+                self.settings.upstream.take_reply(reply, self.tally)
             if self.tally.finish_reason is None:
                 raise UpstreamFailed("upstream reply has no finish_reason")
             if self.req.stream:  # the server cannot stream with token flags: synthesize it
@@ -348,6 +395,8 @@ class Call:
         than the cap, so sending it again without one is the clamp the harness meant."""
         if status != 400 or not _CAP_TOO_LARGE.search(failure.message):
             return False
+        if self.text_reply is not None:  # token-in caps are clamped already; none means 16
+            return False
         caps = [key for key in ("max_tokens", "max_completion_tokens") if key in body]
         if not caps:
             return False
@@ -401,14 +450,45 @@ class Call:
             )
             record.trainable = False
             record.flag("record_incomplete")
+        exact, lookup = self.settings.exact, self.lookup
+        if exact is not None and lookup is not None:
+            try:
+                self._exact_done(exact, lookup)
+            except Exception:  # the chain is lost, the record must not be
+                log.exception(
+                    "polar-mitm: call %s: exact-prefix bookkeeping failed", record.call_id
+                )
         if job is not None:
             # Not held for: the record needs the retokenizer first, the harness does not.
             assert self.settings.retokenizer is not None
             self.settings.retokenizer.submit(job, lambda: deliver(record, self.sinks))
+        elif exact is not None and lookup is not None and lookup.plan is not None:
+            # Not held for either: what chat mode would have sent is rendered off the loop.
+            note = lookup.note()
+            exact.submit(record, self.req.chat, note, lambda: deliver(record, self.sinks))
         else:
             self._receipts = deliver(record, self.sinks)
         if self.on_done is not None:
             self.on_done(self)
+
+    def _exact_done(self, exact: ExactPrefix, lookup: Lookup) -> None:
+        """Exact-prefix mode: a completed call becomes its rollout's chain (before the harness
+        has the end of the reply, so its next call finds it); the record says which path."""
+        record, plan = self.record, lookup.plan
+        echo = self.tally.prompt_ids
+        if plan is not None and echo is not None and list(echo) != plan.prompt_ids:
+            record.flag("prompt_echo_mismatch")  # the server did not take our ids verbatim
+        if plan is None:
+            put_note(record, lookup.note())
+        if record.status == "completed" and record.ids_source == "upstream":
+            exact.remember(
+                record.rollout_id,
+                lookup,
+                self.assembler.message(),
+                record.prompt_token_ids or (),
+                record.output_token_ids,
+                record.call_id,
+            )
 
     def _fill(self, status: str, error: str | None) -> RetokenizeJob | None:
         """Fill the record from the tally; the no-ids fallback's job when it must retokenize."""
@@ -449,7 +529,7 @@ class Call:
             status == "completed" and record.ids_source == "upstream" and not record.fidelity_flags
         )
         fallback = self.settings.retokenizer
-        if status == "completed" and not has_ids:
+        if status == "completed" and not has_ids and record.route != "token_in":
             if fallback is not None and fallback.available and self.upstream_body is not None:
                 self.settings.upstream.warn_missing_ids(
                     "retokenizing with polar_tokenizer: those records say ids_source=retokenized "

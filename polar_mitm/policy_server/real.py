@@ -37,9 +37,9 @@ from aiohttp import web
 
 from ..conversation import RequestError
 from ..gguf import load_gguf_tokenizer
+from ..output_parsers.qwen3 import StreamParser
 from .generation import Sample, token_limit
 from .llama_engine import Generation, LlamaEngine, SamplingParams, Step
-from .parsers import StreamParser
 from .render import Prompt, Renderer
 from .scenario import Scenario, Turn
 from .server import TOKEN_FLAGS, PolicyServer, ServerConfig
@@ -223,6 +223,8 @@ class _VllmStream:
 
 class RealModelServer(PolicyServer):
     """The reference server with a real model behind it (vLLM wire kind only)."""
+
+    token_in_routes = False  # scripted token-in turns would not be this model's
 
     def __init__(
         self,

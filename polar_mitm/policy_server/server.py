@@ -3,6 +3,8 @@
 Endpoints (vLLM kind):
 
 * ``POST /v1/chat/completions`` — scripted turns, streaming or not, with real token ids;
+* ``POST /v1/completions`` with a prompt of token ids (SGLang kind: ``POST /generate`` with
+  ``input_ids``) — the same scripted turns for exact-prefix mode (``completions.py``);
 * ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``;
 * test control under ``/_polar/``: ``POST /_polar/release`` (let held last chunks go; answers
   ``{"released": n}``; ``?wait=S`` first waits up to S seconds until a reply is held), ``GET /_polar/requests`` (the last 100 requests to the API endpoints, newest
@@ -190,6 +192,10 @@ def _json(body: Any, status: int = 200) -> web.Response:
 class PolicyServer:
     """One served model playing one scenario."""
 
+    #: The token-in endpoint (``/v1/completions``, SGLang ``/generate``): scripted turns found
+    #: from the prompt ids (completions.py).
+    token_in_routes = True
+
     def __init__(self, config: ServerConfig, renderer: Renderer | None = None):
         self.config = config
         self.scenario = config.scenario
@@ -225,6 +231,10 @@ class PolicyServer:
         app.router.add_post("/_polar/reset", self.reset)
         app.router.add_post("/_polar/faults", self.arm_faults)
         app.router.add_get("/_polar/stats", self.stats)
+        if self.token_in_routes:
+            from .completions import add_routes as token_in
+
+            token_in(app, self)
         for add_routes in extra_routes:
             add_routes(app, self)
         return app

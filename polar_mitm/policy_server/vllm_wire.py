@@ -28,8 +28,8 @@ from ..conversation import (
     normalize_tools,
     template_kwargs,
 )
+from ..output_parsers.qwen3 import StreamParser, make_tool_call_id, parse_output
 from .generation import Sample
-from .parsers import StreamParser, make_tool_call_id, parse_output
 from .wire import ChatCall, ReplyPlan, WireError
 
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")

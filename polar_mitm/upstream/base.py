@@ -38,6 +38,21 @@ class TokenTally:
         return "ok" if completion == len(self.output_ids) else "mismatch"
 
 
+@dataclass(slots=True)
+class TextPiece:
+    """What one token-in reply (or stream chunk) adds: raw generated text and its token ids.
+
+    Exact-prefix mode's output parser turns these into chat deltas; `tokens` are the tokens'
+    own strings where the server gave them (for chat-shaped logprobs to a harness that asked)."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
 class Upstream(ABC):
     kind: ClassVar[str]
     # Whether chat streaming works together with the token flags. SGLang refuses it, so the
@@ -49,6 +64,11 @@ class Upstream(ABC):
     template_flavor: ClassVar[str] = "vllm"
     # False for servers that never return token ids (kind `openai`): every record is retokenized.
     returns_ids: ClassVar[bool] = True
+
+    # The token-in endpoint (exact-prefix mode): a prompt given as token ids, raw text back.
+    # None: the server has none, and exact-prefix mode sends every call the chat way.
+    token_in_path: ClassVar[str | None] = None
+    token_in_streams: ClassVar[bool] = True
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")
@@ -70,6 +90,21 @@ class Upstream(ABC):
     @property
     def chat_url(self) -> str:
         return self.base_url + self.chat_path
+
+    @property
+    def token_in_url(self) -> str:
+        return self.base_url + (self.token_in_path or "")
+
+    def token_in_body(
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+    ) -> dict[str, Any]:
+        """The token-in request: `prompt_ids` verbatim, the chat request's sampling parameters
+        (`exact_prefix.sampling`: OpenAI names, `max_tokens` always set) in this server's form."""
+        raise NotImplementedError(f"{self.kind} has no token-in endpoint")
+
+    def take_text(self, obj: dict[str, Any], tally: TokenTally) -> TextPiece:
+        """Move the token fields of one token-in chunk or reply into `tally`; the text piece."""
+        raise NotImplementedError(f"{self.kind} has no token-in endpoint")
 
     @abstractmethod
     def request_body(

@@ -11,6 +11,12 @@ Reply, per choice: ``prompt_token_ids``; ``token_ids`` (with ``return_token_ids`
 when present, else from the triples; both are the raw generated ids (EOS included), before the
 reasoning and tool-call parsers. docs/upstreams.md has the sources and the versions.
 
+Token-in (exact-prefix mode): SGLang's native ``POST /generate`` with ``input_ids`` and
+``sampling_params`` (``max_new_tokens``, ``temperature``, ...; ``io_struct.py::GenerateReqInput``),
+``return_logprob: true``; non-streaming, like the chat path. The reply is ``{"text", "output_ids",
+"meta_info": {"finish_reason": {"type", "matched"}, "prompt_tokens", "completion_tokens",
+"output_token_logprobs": [[logprob, id, text], ...]}}``.
+
 Also normalized here, so everything downstream sees one chat-completions shape whatever the server:
 the assistant's ``reasoning_content`` is renamed ``reasoning`` (vLLM's current name) in replies, and
 an earlier assistant turn's ``reasoning`` is sent as ``reasoning_content`` (SGLang's request model has
@@ -22,15 +28,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import TokenTally, Upstream
+from .base import TextPiece, TokenTally, Upstream
 
 _ID_FLAGS = ("return_prompt_token_ids", "return_meta_info", "return_token_ids")
+# OpenAI sampling names -> SGLang's sampling_params names (the rest are the same).
+_SAMPLING_NAMES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
 
 
 class SGLang(Upstream):
     kind = "sglang"
     streams_with_tokens = False
     template_flavor = "sglang"
+    token_in_path = "/generate"
+    token_in_streams = False
 
     def request_body(
         self, chat: dict[str, Any], *, model: str | None, stream: bool, top_logprobs: int
@@ -133,6 +143,57 @@ class SGLang(Upstream):
         finish = choice.get("finish_reason")
         if finish:
             tally.finish_reason = finish
+
+    def token_in_body(
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+    ) -> dict[str, Any]:
+        params = {_SAMPLING_NAMES.get(k, k): v for k, v in sampling.items()}
+        return {
+            "input_ids": prompt_ids,
+            "sampling_params": params,
+            "return_logprob": True,
+            "stream": False,
+        }
+
+    def take_text(self, obj: dict[str, Any], tally: TokenTally) -> TextPiece:
+        piece = TextPiece()
+        text = obj.pop("text", None)
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"text is {type(text).__name__}, not a string")
+        piece.text = text or ""
+        ids = obj.pop("output_ids", None)
+        meta = obj.pop("meta_info", None)
+        meta = meta if isinstance(meta, dict) else {}
+        triples = meta.get("output_token_logprobs")
+        if isinstance(triples, list):
+            piece.logprobs = [float(t[0]) for t in triples]
+            triple_ids = [int(t[1]) for t in triples]
+            piece.tokens = [t[2] if len(t) > 2 and isinstance(t[2], str) else "" for t in triples]
+            if isinstance(ids, list) and ids != triple_ids:
+                tally.flags.append("sglang_ids_disagree")
+            ids = triple_ids
+        if isinstance(ids, list):
+            tally.saw_output_ids = True
+            piece.ids = [int(i) for i in ids]
+            tally.output_ids.extend(piece.ids)
+            if len(piece.logprobs) == len(piece.ids):
+                tally.logprobs.extend(piece.logprobs)
+        finish = meta.get("finish_reason")
+        if isinstance(finish, dict):
+            piece.finish_reason = "length" if finish.get("type") == "length" else "stop"
+            piece.stop_reason = finish.get("matched")
+        elif isinstance(finish, str):
+            piece.finish_reason = finish
+        if piece.finish_reason:
+            tally.finish_reason = piece.finish_reason
+        prompt_tokens, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
+        if isinstance(prompt_tokens, int) and isinstance(completion, int):
+            tally.usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            }
+        return piece
 
 
 def _with_reasoning_content(messages: Any) -> Any:

@@ -4,17 +4,25 @@ Request: `return_token_ids`, `logprobs`, `top_logprobs`, and for streams
 `stream_options.include_usage` so the sampled-id count can be checked against usage.
 Reply: top-level `prompt_token_ids` (in a stream: the first chunk only), per choice `token_ids`
 (in a stream: that chunk's new ids) and `logprobs.content[]`.
+
+Token-in (exact-prefix mode): `POST /v1/completions` with `prompt` as a list of ids,
+`return_token_ids`, `logprobs: 0` (the sampled token's logprob only). The reply carries
+`prompt_token_ids` and `token_ids` per choice (in a stream: prompt ids in the first chunk, each
+chunk's new ids), `logprobs.token_logprobs` / `logprobs.tokens`, `text`, `finish_reason` and
+`stop_reason`. vLLM's completions default `max_tokens` is 16 (a `null` is reset to it), so the
+body always carries the real cap. Fields as in vLLM's `entrypoints/openai/completion/protocol.py`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .base import TokenTally, Upstream
+from .base import TextPiece, TokenTally, Upstream
 
 
 class VLLM(Upstream):
     kind = "vllm"
+    token_in_path = "/v1/completions"
 
     def request_body(
         self, chat: dict[str, Any], *, model: str | None, stream: bool, top_logprobs: int
@@ -59,3 +67,52 @@ class VLLM(Upstream):
         finish = choice.get("finish_reason")
         if finish:
             tally.finish_reason = finish
+
+    def token_in_body(
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"prompt": prompt_ids, **sampling}
+        if model:
+            body["model"] = model
+        body["stream"] = stream
+        body["return_token_ids"] = True
+        body["logprobs"] = 0
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def take_text(self, obj: dict[str, Any], tally: TokenTally) -> TextPiece:
+        piece = TextPiece()
+        choices = obj.pop("choices", None) or ()
+        if choices:
+            choice = choices[0]
+            prompt = choice.get("prompt_token_ids")
+            if prompt is not None:
+                tally.prompt_ids = prompt
+            ids = choice.get("token_ids")
+            if ids is not None:
+                tally.saw_output_ids = True
+                tally.output_ids.extend(ids)
+                piece.ids = ids
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                values = [
+                    float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or ()
+                ]
+                tally.logprobs.extend(values)
+                piece.logprobs = values
+                piece.tokens = [str(t) for t in logprobs.get("tokens") or ()]
+            text = choice.get("text")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"text is {type(text).__name__}, not a string")
+            piece.text = text or ""
+            piece.finish_reason = choice.get("finish_reason")
+            piece.stop_reason = choice.get("stop_reason")
+            if piece.finish_reason:
+                tally.finish_reason = piece.finish_reason
+        usage = obj.get("usage")
+        if usage:
+            tally.usage = usage
+        if tally.model is None:
+            tally.model = obj.get("model")
+        return piece

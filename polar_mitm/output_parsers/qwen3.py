@@ -1,4 +1,4 @@
-"""vLLM's ``qwen3`` reasoning parser and ``hermes`` tool parser, reproduced for the reference server.
+"""Qwen3's output format: vLLM's ``qwen3`` reasoning parser and ``hermes`` tool parser, reproduced.
 
 These mirror what ``vllm serve Qwen/Qwen3-… --reasoning-parser qwen3 --enable-auto-tool-choice
 --tool-call-parser hermes`` does to the detokenized output (read from
@@ -298,3 +298,21 @@ class StreamParser:
             delta = {"content": delta_text}
         self._text = current
         return delta
+
+
+def _family(name: str, reasoning: bool):
+    from . import Family
+
+    return Family(
+        name=name,
+        think_start=THINK_START if reasoning else None,
+        think_end=THINK_END if reasoning else None,
+        turn_start="<|im_start|>",
+        stream_factory=StreamParser,
+        parse_factory=parse_output,
+    )
+
+
+#: ``qwen3``: ``<think>`` reasoning + hermes ``<tool_call>`` JSON (Qwen3, Qwen3.5/3.6 dense and MoE);
+#: ``hermes``: the tool calls only (Qwen2.5, Hermes-style models without a reasoning block).
+FAMILIES = (_family("qwen3", True), _family("hermes", False))

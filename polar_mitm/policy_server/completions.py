@@ -1,0 +1,265 @@
+"""The reference server's token-in endpoints: vLLM's ``POST /v1/completions`` with a prompt of token
+ids, and SGLang's ``POST /generate`` with ``input_ids`` (exact-prefix mode's upstream).
+
+The prompt arrives as ids, not messages, so the scripted turn is found from the ids themselves:
+they are decoded and read back as ChatML (Qwen3's format) for what a chat request would have
+said — the system block, the first user turn, the tool names in ``<tools>``, the number of
+assistant turns before the generation prompt. The turn's output ids are the same real tokenization
+the chat endpoint samples (the template's rendering of the scripted assistant turn, through
+``<|im_end|>``), with the same logprobs, so both paths of a conversation get the same tokens.
+
+Wire shapes: vLLM's ``CompletionResponse`` / ``CompletionStreamResponse``
+(``vllm/entrypoints/openai/completion/protocol.py``: ``text``, ``logprobs`` with ``tokens`` /
+``token_logprobs`` / ``text_offset`` / ``top_logprobs``, per-choice ``token_ids`` and
+``prompt_token_ids`` with ``return_token_ids`` — in a stream the prompt ids on the first chunk only —
+and a ``null`` ``max_tokens`` meaning 16); SGLang's ``/generate`` reply ``{"text", "output_ids",
+"meta_info"}`` with ``output_token_logprobs`` triples when ``return_logprob`` is set (non-streaming
+only here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from ..conversation import RenderInput, RequestError
+from .generation import fake_logprob, token_limit
+from .scenario import Turn
+from .wire import ReplyPlan, WireError
+
+if TYPE_CHECKING:
+    from .server import PolicyServer
+
+DONE = b"data: [DONE]\n\n"
+_BLOCK = re.compile(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", re.DOTALL)
+_TOOLS = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+_ASSISTANT = "<|im_start|>assistant"
+_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default (and what a null becomes)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def read_chatml(text: str) -> tuple[str, str, list[str], int]:
+    """(system text, first user text, tool names, assistant turns before the generation prompt)
+    of a rendered Qwen3 prompt."""
+    blocks = _BLOCK.findall(text)
+    system = next((body for role, body in blocks if role == "system"), "")
+    first_user = next(
+        (b for r, b in blocks if r == "user" and not b.startswith("<tool_response>")), ""
+    )
+    names = []
+    tools = _TOOLS.search(system)
+    for line in tools.group(1).splitlines() if tools else ():
+        try:
+            tool = json.loads(line)
+        except ValueError:
+            continue
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.append(function["name"])
+    assistant_turns = text.count(_ASSISTANT)
+    last = text.rfind(_ASSISTANT)
+    if last >= 0 and "<|im_end|>" not in text[last:]:  # the generation prompt: not a turn
+        assistant_turns -= 1
+    return system, first_user, names, assistant_turns
+
+
+class TokenInSample:
+    """A scripted turn sampled after a prompt given as ids."""
+
+    def __init__(self, server: PolicyServer, prompt: list[int], max_tokens: int | None):
+        renderer = server.renderer
+        if not prompt:
+            raise RequestError("the prompt must not be empty", param="prompt")
+        vocab = len(renderer.tokenizer)
+        if any(not isinstance(i, int) or i < 0 or i >= vocab for i in prompt):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        limit = token_limit(len(prompt), max_tokens, server.max_model_len)
+        text = renderer.decode(prompt)
+        system, first_user, names, turns = read_chatml(text)
+        try:
+            script, turn = server.scenario.turn(system, first_user, names, turns)
+        except LookupError as e:
+            raise RequestError(str(e)) from None
+        open_ = renderer.reasoning_open_at_end(prompt)
+        kwargs = {"enable_thinking": False} if open_ is False else {}
+        # The assistant turn renders the same after any prompt: one stand-in user turn will do.
+        stand_in = RenderInput(
+            messages=[{"role": "user", "content": "."}], tools=None, kwargs=kwargs
+        )
+        completion = renderer.completion(stand_in, Turn(**_turn_fields(turn)))
+        n = min(len(completion.ids), limit)
+        self.prompt = prompt
+        self.ids = list(completion.ids[:n])
+        self.pieces = list(completion.pieces[:n])
+        self.token_strs = list(completion.token_strs[:n])
+        self.logprobs = [fake_logprob(i, t) for i, t in enumerate(self.ids)]
+        self.finish_reason = "stop" if n == len(completion.ids) else "length"
+        self.turn = turn
+        self.eos = renderer.eos_token_id
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt), len(self.ids)
+        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+
+
+def _turn_fields(turn: Turn) -> dict[str, Any]:
+    return {"reasoning": turn.reasoning, "content": turn.content, "tool_calls": turn.tool_calls}
+
+
+def _prompt_ids(body: Any) -> list[int]:
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(prompt, list) or not all(type(i) is int for i in prompt):
+        raise RequestError(
+            "the reference server's /v1/completions takes 'prompt' as a list of token ids",
+            param="prompt",
+        )
+    return prompt
+
+
+def _logprobs(sample: TokenInSample, a: int, b: int, offset: int, top: int) -> dict[str, Any]:
+    offsets, at = [], offset
+    for piece in sample.pieces[a:b]:
+        offsets.append(at)
+        at += len(piece)
+    tokens = sample.token_strs[a:b]
+    values = sample.logprobs[a:b]
+    return {
+        "text_offset": offsets,
+        "token_logprobs": values,
+        "tokens": tokens,
+        "top_logprobs": [{t: v} if top else None for t, v in zip(tokens, values, strict=True)],
+    }
+
+
+def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> ReplyPlan:
+    """vLLM's /v1/completions reply (streaming or not) for a sampled turn."""
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    with_ids = bool(body.get("return_token_ids"))
+    top = body.get("logprobs")
+    want_lp = top is not None
+    if not body.get("stream"):
+        choice = {
+            "index": 0,
+            "text": "".join(sample.pieces),
+            "logprobs": _logprobs(sample, 0, len(sample.ids), 0, top) if want_lp else None,
+            "finish_reason": sample.finish_reason,
+            "stop_reason": None,
+            "token_ids": sample.ids if with_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": sample.prompt if with_ids else None,
+        }
+        reply = {**head, "choices": [choice], "usage": sample.usage}
+        return ReplyPlan(200, "application/json", [_dumps(reply)], [len(sample.ids)], False)
+    events: list[bytes] = []
+    tokens: list[int] = []
+    offset = 0
+    n = len(sample.ids)
+    for i in range(n):
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": sample.pieces[i],
+            "logprobs": _logprobs(sample, i, i + 1, offset, top) if want_lp else None,
+            "finish_reason": sample.finish_reason if i == n - 1 else None,
+            "stop_reason": None,
+        }
+        if with_ids:
+            if i == 0:
+                choice["prompt_token_ids"] = sample.prompt
+            choice["token_ids"] = [sample.ids[i]]
+        offset += len(sample.pieces[i])
+        events.append(b"data: " + _dumps({**head, "choices": [choice]}) + b"\n\n")
+        tokens.append(1)
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        events.append(b"data: " + _dumps({**head, "choices": [], "usage": sample.usage}) + b"\n\n")
+        tokens.append(0)
+    events.append(DONE)
+    tokens.append(0)
+    return ReplyPlan(
+        200, "text/event-stream; charset=utf-8", events, tokens, True, final_index=max(n - 1, 0)
+    )
+
+
+def generate_plan(body: dict[str, Any], sample: TokenInSample) -> ReplyPlan:
+    """SGLang's /generate reply (non-streaming) for a sampled turn."""
+    if sample.finish_reason == "stop":
+        finish: dict[str, Any] = {"type": "stop", "matched": sample.eos}
+    else:
+        finish = {"type": "length", "length": len(sample.ids)}
+    meta: dict[str, Any] = {
+        "id": uuid.uuid4().hex,
+        "finish_reason": finish,
+        "prompt_tokens": len(sample.prompt),
+        "completion_tokens": len(sample.ids),
+        "cached_tokens": 0,
+    }
+    if body.get("return_logprob"):
+        meta["output_token_logprobs"] = [
+            [lp, i, None] for lp, i in zip(sample.logprobs, sample.ids, strict=True)
+        ]
+    reply = {"text": "".join(sample.pieces), "output_ids": sample.ids, "meta_info": meta}
+    return ReplyPlan(200, "application/json", [_dumps(reply)], [len(sample.ids)], False)
+
+
+def add_routes(app: web.Application, server: PolicyServer) -> None:
+    """``/v1/completions`` for the vLLM kind, ``/generate`` for the SGLang kind."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await server._body(request)
+        if not isinstance(body, dict):
+            raise server._bad_request(RequestError("the body must be a JSON object"))
+        model = body.get("model")
+        if model and model != server.served_model:
+            raise WireError(
+                404,
+                server.wire.error(404, f"The model `{model}` does not exist.", "NotFoundError"),
+            )
+        server.control.stats["completion_requests"] += 1
+        max_tokens = body.get("max_tokens")
+        max_tokens = _DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        try:
+            prompt = _prompt_ids(body)
+            sample = await asyncio.to_thread(TokenInSample, server, prompt, max_tokens)
+        except RequestError as e:
+            raise server._bad_request(e) from None
+        plan = completion_plan(body, sample, server.served_model)
+        plan.hold, plan.delay_s = sample.turn.hold_last, sample.turn.delay_s
+        return await server.play(request, plan)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await server._body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list):
+            raise server._bad_request(RequestError("'input_ids' (a list of token ids) is required"))
+        if body.get("stream"):
+            raise server._bad_request(RequestError("the reference /generate does not stream"))
+        params = body.get("sampling_params") or {}
+        server.control.stats["generate_requests"] += 1
+        try:
+            sample = await asyncio.to_thread(
+                TokenInSample, server, body["input_ids"], params.get("max_new_tokens", 128)
+            )
+        except RequestError as e:
+            raise server._bad_request(e) from None
+        plan = generate_plan(body, sample)
+        plan.hold, plan.delay_s = sample.turn.hold_last, sample.turn.delay_s
+        return await server.play(request, plan)
+
+    if server.wire.kind == "sglang":
+        app.router.add_post("/generate", generate)
+    else:
+        app.router.add_post("/v1/completions", completions)
