@@ -50,6 +50,47 @@ def harness_of(headers_json: str | None) -> str:
 
 
 @dataclass(slots=True)
+class ExactPrefixFigures:
+    """Exact-prefix mode (`fidelity_json.exact_prefix`): the calls sent as the policy's own
+    tokens, and the drift chat mode would have had in their prompts."""
+
+    token_in_calls: int = 0
+    chat_calls: int = 0
+    chat_reasons: dict[str, int] = field(default_factory=dict)
+    calls_drift_removed: int = 0
+    drift_tokens_removed: int = 0
+
+    def add(self, note: dict[str, Any]) -> None:
+        if note.get("path") == "token_in":
+            self.token_in_calls += 1
+            drift = note.get("drift_tokens")
+            if isinstance(drift, int) and drift > 0:
+                self.calls_drift_removed += 1
+                self.drift_tokens_removed += drift
+        else:
+            self.chat_calls += 1
+            reason = str(note.get("reason") or "unknown").split(":", 1)[0]
+            self.chat_reasons[reason] = self.chat_reasons.get(reason, 0) + 1
+
+    def merge(self, other: ExactPrefixFigures) -> None:
+        self.token_in_calls += other.token_in_calls
+        self.chat_calls += other.chat_calls
+        self.calls_drift_removed += other.calls_drift_removed
+        self.drift_tokens_removed += other.drift_tokens_removed
+        for reason, n in other.chat_reasons.items():
+            self.chat_reasons[reason] = self.chat_reasons.get(reason, 0) + n
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "token_in_calls": self.token_in_calls,
+            "chat_calls": self.chat_calls,
+            "chat_reasons": dict(self.chat_reasons),
+            "calls_drift_removed": self.calls_drift_removed,
+            "drift_tokens_removed": self.drift_tokens_removed,
+        }
+
+
+@dataclass(slots=True)
 class Group:
     dialect: str
     harness: str
@@ -58,6 +99,7 @@ class Group:
     policy_tokens: int = 0
     wrong: int = 0
     flags: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FLAGS, 0))
+    exact: ExactPrefixFigures = field(default_factory=ExactPrefixFigures)
 
     @property
     def share(self) -> float | None:
@@ -73,6 +115,7 @@ class Group:
             "policy_tokens": self.policy_tokens,
             "wrong_policy_tokens": self.wrong,
             "wrong_share": self.share,
+            "exact_prefix": self.exact.as_dict(),
         }
 
 
@@ -96,6 +139,8 @@ def fidelity_report(rows: list[dict[str, Any]]) -> tuple[list[Group], Group, lis
         group.calls += 1
         group_of[row["call_id"]] = key
         data = _json(row.get("fidelity_json"))
+        if isinstance(data.get("exact_prefix"), dict):
+            group.exact.add(data["exact_prefix"])
         if "checked" not in data:
             continue
         group.checked += 1
@@ -119,6 +164,7 @@ def fidelity_report(rows: list[dict[str, Any]]) -> tuple[list[Group], Group, lis
         total.wrong += g.wrong
         for flag, n in g.flags.items():
             total.flags[flag] += n
+        total.exact.merge(g.exact)
     return sorted(groups.values(), key=lambda g: (g.dialect, g.harness)), total, examples
 
 
@@ -265,6 +311,16 @@ def fidelity(directory: str, n_examples: int, as_json: bool) -> None:
             f"A retokenize-the-text pipeline would have got [bold]{total.wrong}[/bold] of "
             f"{total.policy_tokens} policy tokens wrong: [bold]{_pct(total.share)}[/bold] "
             f"({sum(1 for _ in examples)} flagged differences in {total.checked} checked calls)."
+        )
+    exact = total.exact
+    if exact.token_in_calls or exact.chat_calls:
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(exact.chat_reasons.items()))
+        console.print(
+            f"Exact-prefix mode: [bold]{exact.token_in_calls}[/bold] of "
+            f"{exact.token_in_calls + exact.chat_calls} calls were sent as the policy's own tokens; "
+            f"in chat mode [bold]{exact.calls_drift_removed}[/bold] of them would have had a "
+            f"re-rendered prompt ({exact.drift_tokens_removed} tokens from the first difference "
+            f"on). Sent the chat way: {reasons or 'none'}."
         )
     for ex in examples[:n_examples]:
         console.print(_example_table(ex))

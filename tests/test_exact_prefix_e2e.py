@@ -1,0 +1,241 @@
+"""Exact-prefix mode end to end: real mitmdump + addon (polar_exact_prefix), real HTTPS through the
+proxy with the openai SDK, the reference policy server's token-in endpoint (vLLM /v1/completions,
+SGLang /generate) computing with the real Qwen3 tokenizer and template.
+
+The harness here drifts the way real ones do: it drops the reasoning of earlier turns, sends tool
+arguments back re-serialized in another key order, and then asks a follow-up question (Qwen3's
+template itself drops earlier reasoning after a new user turn). In chat mode that breaks the chain
+(`rerender`); in exact-prefix mode the same conversation is one chain, and the SDK sees the same
+replies.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from polar_mitm.assets import qwen3_tokenizer_dir
+from polar_mitm.store import read_table
+
+from .clients import RUN_SHELL, openai_client
+from .procs import MITMDUMP, ROOT
+from .upstreams import direct_ids
+
+SCENARIO = Path(__file__).parent / "scenarios" / "exact_prefix.json"
+OUTPUTS = {"ls": "notes.txt", "tail -1 notes.txt": "gamma"}
+MODEL = "gpt-4.1-mini"
+
+
+def ask(client: openai.OpenAI, messages: list[dict], stream: bool) -> dict[str, Any]:
+    """One call; the reply as the SDK hands it over (text, reasoning, tool calls, finish)."""
+    if not stream:
+        c = client.chat.completions.create(model=MODEL, messages=messages, tools=[RUN_SHELL])
+        m = c.choices[0].message
+        calls = [
+            {"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+            for t in m.tool_calls or ()
+        ]
+        reasoning = (m.model_extra or {}).get("reasoning")
+        return {
+            "content": m.content,
+            "reasoning": reasoning,
+            "tool_calls": calls,
+            "finish": c.choices[0].finish_reason,
+            "model": c.model,
+        }
+    content, reasoning, calls, finish, model = [], [], {}, None, None
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[RUN_SHELL], stream=True
+    ):
+        model = chunk.model
+        for choice in chunk.choices:
+            d = choice.delta
+            content.append(d.content or "")
+            reasoning.append((d.model_extra or {}).get("reasoning") or "")
+            for t in d.tool_calls or ():
+                entry = calls.setdefault(t.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = t.id or entry["id"]
+                entry["name"] += (t.function.name or "") if t.function else ""
+                entry["arguments"] += (t.function.arguments or "") if t.function else ""
+            finish = choice.finish_reason or finish
+    return {
+        "content": "".join(content) or None,
+        "reasoning": "".join(reasoning) or None,
+        "tool_calls": [calls[i] for i in sorted(calls)],
+        "finish": finish,
+        "model": model,
+    }
+
+
+def converse(client: openai.OpenAI, stream: bool, drift: bool) -> tuple[list[dict], list[list]]:
+    """The tool loop, then a follow-up question. With `drift`, the harness drops reasoning and
+    re-serializes tool arguments with their keys reversed. Returns replies and messages sent."""
+    messages: list[dict] = [
+        {"role": "system", "content": "You are a coding agent. Use run_shell."},
+        {"role": "user", "content": "What is the last line of notes.txt?"},
+    ]
+    replies, sent = [], []
+    for _ in range(3):
+        sent.append(json.loads(json.dumps(messages)))
+        reply = ask(client, messages, stream)
+        replies.append(reply)
+        turn: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
+        if not drift and reply["reasoning"]:
+            turn["reasoning"] = reply["reasoning"]
+        if reply["tool_calls"]:
+            turn["tool_calls"] = []
+            for call in reply["tool_calls"]:
+                args = call["arguments"]
+                if drift:
+                    args = json.dumps(dict(reversed(list(json.loads(args).items()))))
+                turn["tool_calls"].append(
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": args},
+                    }
+                )
+        messages.append(turn)
+        for call in reply["tool_calls"]:
+            cmd = json.loads(call["arguments"])["cmd"]
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": OUTPUTS[cmd]})
+        if not reply["tool_calls"]:
+            break
+    if drift:
+        messages.append({"role": "user", "content": "Anything else in it?"})
+        sent.append(json.loads(json.dumps(messages)))
+        replies.append(ask(client, messages, stream))
+    return replies, sent
+
+
+def seen(reply: dict) -> tuple:
+    """What a harness acts on: text, reasoning, tool calls (arguments as values), finish."""
+    calls = [(c["name"], json.loads(c["arguments"])) for c in reply["tool_calls"]]
+    return reply["content"], reply["reasoning"], calls, reply["finish"], reply["model"]
+
+
+def records(output: Path, rollout: str) -> tuple[list[dict], list[dict]]:
+    calls = [c for c in read_table(str(output), "calls").to_pylist() if c["rollout_id"] == rollout]
+    traces = [
+        t for t in read_table(str(output), "traces").to_pylist() if t["rollout_id"] == rollout
+    ]
+    return sorted(calls, key=lambda c: c["started_at"]), traces
+
+
+@pytest.mark.parametrize(("kind", "stream"), [("vllm", True), ("vllm", False), ("sglang", True)])
+def test_enforce_mode_removes_the_drift_chat_mode_has(make_policy_server, make_mitm, kind, stream):
+    server = make_policy_server(SCENARIO, kind=kind)
+    tok = str(qwen3_tokenizer_dir())
+    chat_mitm = make_mitm(server.url, polar_tokenizer=tok, polar_upstream_kind=kind)
+    exact_mitm = make_mitm(
+        server.url, polar_tokenizer=tok, polar_upstream_kind=kind, polar_exact_prefix="true"
+    )
+    with openai_client(chat_mitm, api_key="polar-drift.0") as client:
+        chat_replies, _ = converse(client, stream, drift=True)
+    with openai_client(exact_mitm, api_key="polar-drift.1") as client:
+        exact_replies, _ = converse(client, stream, drift=True)
+    assert chat_mitm.stop() == 0, chat_mitm.proc.output()
+    assert exact_mitm.stop() == 0, exact_mitm.proc.output()
+
+    # the harness's view is the same on both paths
+    assert [seen(r) for r in exact_replies] == [seen(r) for r in chat_replies]
+    assert len(exact_replies) == 4 and exact_replies[0]["tool_calls"]
+    assert exact_replies[0]["finish"] == "tool_calls" and exact_replies[-1]["finish"] == "stop"
+
+    # chat mode: the re-rendered turns break the chain
+    calls, traces = records(chat_mitm.output, "drift.0")
+    assert [c["route"] for c in calls] == ["chat"] * 4
+    assert "rerender" in {t["break_reason"] for t in traces}
+    assert any("template_rerender" in c["fidelity_flags"] for c in calls)
+
+    # exact-prefix mode: every later call extends the chain, one trace, nothing re-rendered
+    calls, traces = records(exact_mitm.output, "drift.1")
+    assert [c["route"] for c in calls] == ["chat", "token_in", "token_in", "token_in"]
+    assert all(c["status"] == "completed" and c["trainable"] for c in calls), calls
+    assert not any("template_rerender" in c["fidelity_flags"] for c in calls)
+    notes = [json.loads(c["fidelity_json"])["exact_prefix"] for c in calls]
+    assert notes[0] == {"path": "chat", "reason": "no_chain"}
+    for before, call, note in zip(calls[:-1], calls[1:], notes[1:], strict=True):
+        assert note["path"] == "token_in" and note["extends_call"] == before["call_id"]
+        chain = before["prompt_token_ids"] + before["output_token_ids"]
+        assert call["prompt_token_ids"][: len(chain)] == chain  # the policy's own tokens
+        assert note["chain_tokens"] == len(chain)
+        # the drifting harness: chat mode would have sent other tokens from some point on
+        assert note["drift_tokens"] > 0 and note["first_diff"] < len(chain)
+    [trace] = traces
+    assert trace["break_reason"] == "first_call" and trace["status"] == "incomplete"
+    last = calls[-1]
+    assert trace["input_ids"] == last["prompt_token_ids"] + last["output_token_ids"]
+    sampled = sum(len(c["output_token_ids"]) for c in calls)
+    assert sum(trace["loss_mask"]) == sampled
+    masked = [lp for lp, m in zip(trace["logprobs"], trace["loss_mask"], strict=True) if m]
+    assert masked == pytest.approx([lp for c in calls for lp in c["output_logprobs"]])
+
+    # the report shows what exact-prefix mode removed
+    report = subprocess.run(
+        [sys.executable, "-m", "polar_mitm.cli", "fidelity", str(exact_mitm.output), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    exact = json.loads(report.stdout)["total"]["exact_prefix"]
+    assert exact["token_in_calls"] == 3 and exact["chat_calls"] == 1
+    assert exact["calls_drift_removed"] == 3
+    assert exact["drift_tokens_removed"] == sum(n["drift_tokens"] for n in notes[1:])
+
+
+def test_a_clean_conversation_gets_the_chat_prompt_ids(make_policy_server, make_mitm):
+    """A harness that sends every turn back as it came: the token-in prompts are exactly the ids
+    the server's own chat template gives the same messages (the continuation is rendered right).
+    Non-streaming: a streamed tool-call turn hands the "\n\n" after </think> back as content,
+    which chat mode re-renders differently (a real drift, which exact-prefix mode removes)."""
+    server = make_policy_server(SCENARIO)
+    mitm = make_mitm(
+        server.url, polar_tokenizer=str(qwen3_tokenizer_dir()), polar_exact_prefix="true"
+    )
+    with openai_client(mitm, api_key="polar-clean.0") as client:
+        _, sent = converse(client, stream=False, drift=False)
+    assert mitm.stop() == 0, mitm.proc.output()
+    calls, traces = records(mitm.output, "clean.0")
+    assert [c["route"] for c in calls] == ["chat", "token_in", "token_in"]
+    for call, messages in zip(calls, sent, strict=True):
+        truth = direct_ids(server.url, "vllm", messages, [RUN_SHELL])
+        assert call["prompt_token_ids"] == truth.prompt_ids
+        assert call["output_token_ids"] == truth.output_ids
+    for call in calls[1:]:
+        assert json.loads(call["fidelity_json"])["exact_prefix"]["drift_tokens"] == 0
+    assert len(traces) == 1
+
+
+def test_exact_prefix_without_a_template_tokenizer_is_one_startup_error(tmp_path, confdir):
+    proc = subprocess.run(
+        [
+            MITMDUMP,
+            "-s",
+            str(ROOT / "addons" / "polar.py"),
+            "--listen-port",
+            "0",
+            "--set",
+            f"confdir={confdir}",
+            "--set",
+            "polar_upstream=http://127.0.0.1:9",
+            "--set",
+            f"polar_output={tmp_path / 'out'}",
+            "--set",
+            "polar_exact_prefix=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "polar_exact_prefix: needs polar_tokenizer" in out and "Traceback" not in out
