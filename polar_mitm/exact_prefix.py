@@ -83,6 +83,8 @@ def message_key(message: Mapping[str, Any]) -> bytes:
     harness that drops them still sent the same turn, and the chain has the sampled tokens."""
     role = message.get("role")
     content = message.get("content")
+    if content is None:
+        content = ""
     text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
     calls = []
     for call in message.get("tool_calls") or ():
