@@ -607,6 +607,13 @@ class CaptureAddon:
             model or "not known yet",
             fallback,
         )
+        book = self.exact.book if self.exact is not None else None
+        if book is not None and upstream is not None and not upstream.token_in_path:
+            log.warning(
+                "polar-mitm: polar_exact_prefix: polar_upstream_kind=%s has no token-in endpoint; "
+                "every call goes the chat way",
+                upstream.kind,
+            )
         off = self.retokenize is None or self.retokenize.retokenizer is None
         if upstream is not None and not upstream.returns_ids and off:
             log.warning(

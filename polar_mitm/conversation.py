@@ -117,9 +117,14 @@ def _content_text(content: Any, where: str) -> str:
 
 
 def _normalize_tool_call(call: Any) -> Any:
-    call = copy.deepcopy(call)
-    function = call.get("function") if isinstance(call, dict) else None
+    # Copies of the two levels changed here; the rest is shared, never mutated (a deep copy
+    # was most of the cost of normalizing a long agent conversation).
+    if not isinstance(call, dict):
+        return copy.deepcopy(call)
+    call = dict(call)
+    function = call.get("function")
     if isinstance(function, dict):
+        function = call["function"] = dict(function)
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:

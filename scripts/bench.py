@@ -436,6 +436,12 @@ def inprocess_figures(args: argparse.Namespace) -> dict:
         out.update(bench_fidelity.figures(smoke=args.smoke))
     except Exception as e:
         out["fidelity"] = f"n/a ({type(e).__name__}: {e})"
+    try:
+        import bench_exact  # noqa: PLC0415
+
+        out.update(bench_exact.figures(smoke=args.smoke))
+    except Exception as e:
+        out["exact_prefix"] = f"n/a ({type(e).__name__}: {e})"
     return out
 
 

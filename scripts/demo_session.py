@@ -15,14 +15,20 @@ import tempfile
 
 import openai
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "run_shell",
-        "description": "Run a shell command in the project directory and return its output.",
-        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
-    },
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_shell",
+            "description": "Run a shell command in the project directory and return its output.",
+            "parameters": {
+                "type": "object",
+                "properties": {"cmd": {"type": "string"}},
+                "required": ["cmd"],
+            },
+        },
+    }
+]
 
 
 def main() -> int:
@@ -32,10 +38,15 @@ def main() -> int:
         f.write("buy milk\ncall the plumber\nship polar-mitm\n")
     messages: list[dict] = [
         {"role": "system", "content": "You are a coding agent. Use run_shell to inspect files."},
-        {"role": "user", "content": "How many lines does notes.txt have, and what is the first one?"},
+        {
+            "role": "user",
+            "content": "How many lines does notes.txt have, and what is the first one?",
+        },
     ]
     for turn in range(1, 9):
-        stream = client.chat.completions.create(model="gpt-4.1", messages=messages, tools=TOOLS, stream=True)
+        stream = client.chat.completions.create(
+            model="gpt-4.1", messages=messages, tools=TOOLS, stream=True
+        )
         text, calls = [], {}
         for chunk in stream:
             for choice in chunk.choices:
@@ -50,14 +61,28 @@ def main() -> int:
         content = "".join(text) or None
         print(f"turn {turn}: {content or ''}".rstrip())
         tool_calls = [calls[i] for i in sorted(calls)]
-        messages.append({"role": "assistant", "content": content, "tool_calls": [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in tool_calls] or None})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for c in tool_calls
+                ]
+                or None,
+            }
+        )
         if not tool_calls:
             return 0
         for call in tool_calls:
             cmd = json.loads(call["arguments"])["cmd"]
-            out = subprocess.run(cmd, shell=True, cwd=workdir, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                cmd, shell=True, cwd=workdir, capture_output=True, text=True
+            ).stdout
             print(f"  $ {cmd}\n  {out.strip()}")
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": out})
     return 1

@@ -36,3 +36,4 @@ def test_bench_smoke(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "added latency p50 ms (1 conc)" in proc.stdout
     assert results["inprocess"]["fidelity_check_vs_off"] > 1  # scripts/bench_fidelity.py
+    assert results["inprocess"]["exact_hot_ms_cpu_per_call"] > 0  # scripts/bench_exact.py
