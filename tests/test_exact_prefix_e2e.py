@@ -239,3 +239,109 @@ def test_exact_prefix_without_a_template_tokenizer_is_one_startup_error(tmp_path
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "polar_exact_prefix: needs polar_tokenizer" in out and "Traceback" not in out
+
+
+def _messages_conversation(mitm, rollout: str) -> tuple[list, list]:
+    """Claude Code's dialect through the anthropic SDK (streamed): what the SDK assembled."""
+    from .test_dialects_e2e import ANTHROPIC_TOOL, QUESTION, SYSTEM, anthropic_client
+
+    client = anthropic_client(mitm, api_key=f"polar-{rollout}")
+    messages: list[dict] = [{"role": "user", "content": QUESTION}]
+    seen_by_sdk = []
+    for _ in range(3):
+        with client.messages.stream(
+            model="claude-sonnet-4-5",
+            max_tokens=1024,
+            system=SYSTEM,
+            messages=messages,
+            tools=[ANTHROPIC_TOOL],
+        ) as s:
+            final = s.get_final_message()
+        blocks = [
+            (
+                b.type,
+                getattr(b, "text", None),
+                getattr(b, "thinking", None),
+                getattr(b, "input", None),
+            )
+            for b in final.content
+        ]
+        seen_by_sdk.append((final.stop_reason, blocks, final.usage.output_tokens))
+        messages.append(
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in final.content],
+            }
+        )
+        uses = [b for b in final.content if b.type == "tool_use"]
+        if not uses:
+            break
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": u.id, "content": "3 notes.txt"}
+                    for u in uses
+                ],
+            }
+        )
+    return seen_by_sdk, messages
+
+
+def _responses_conversation(mitm, rollout: str) -> tuple[list, list]:
+    """Codex's dialect through the openai SDK's Responses stream; reasoning items are sent back
+    without their text (as a harness that keeps only the encrypted content might)."""
+    from .test_dialects_e2e import QUESTION, RESPONSES_TOOL, SYSTEM
+
+    client = openai_client(mitm, api_key=f"polar-{rollout}")
+    items: list[dict] = [{"role": "user", "content": QUESTION}]
+    seen_by_sdk = []
+    for _ in range(3):
+        with client.responses.stream(
+            model="gpt-5", instructions=SYSTEM, input=items, tools=[RESPONSES_TOOL], store=False
+        ) as s:
+            final = s.get_final_response()
+        out = []
+        for item in final.output:
+            if item.type == "function_call":
+                out.append((item.type, item.name, json.loads(item.arguments)))
+            elif item.type == "message":
+                out.append((item.type, final.output_text))
+            else:
+                out.append((item.type, [c.text for c in item.content or ()]))
+        seen_by_sdk.append((final.status, out, final.usage.output_tokens))
+        for item in final.output:
+            if item.type == "function_call":
+                items.append(item.model_dump(exclude_none=True))
+                items.append(
+                    {"type": "function_call_output", "call_id": item.call_id, "output": "3"}
+                )
+            elif item.type == "message":
+                items.append(item.model_dump(exclude_none=True))
+        if not any(i.type == "function_call" for i in final.output):
+            break
+    return seen_by_sdk, items
+
+
+@pytest.mark.parametrize("dialect", ["anthropic_messages", "openai_responses"])
+def test_the_other_dialects_see_the_same_replies(make_policy_server, make_mitm, dialect):
+    from .test_dialects_e2e import SCENARIO as DIALECTS
+
+    converse_in = (
+        _messages_conversation if dialect == "anthropic_messages" else _responses_conversation
+    )
+    server = make_policy_server(DIALECTS)
+    tok = str(qwen3_tokenizer_dir())
+    chat_mitm = make_mitm(server.url, polar_tokenizer=tok)
+    exact_mitm = make_mitm(server.url, polar_tokenizer=tok, polar_exact_prefix="true")
+    chat_seen, _ = converse_in(chat_mitm, "dia.0")
+    exact_seen, _ = converse_in(exact_mitm, "dia.1")
+    assert chat_mitm.stop() == 0 and exact_mitm.stop() == 0
+    assert exact_seen == chat_seen and len(exact_seen) == 3
+    calls, traces = records(exact_mitm.output, "dia.1")
+    assert [c["dialect"] for c in calls] == [dialect] * 3
+    assert [c["route"] for c in calls] == ["chat", "token_in", "token_in"]
+    assert all(c["status"] == "completed" for c in calls)
+    [trace] = traces
+    assert trace["input_ids"] == calls[-1]["prompt_token_ids"] + calls[-1]["output_token_ids"]
+    assert sum(trace["loss_mask"]) == sum(len(c["output_token_ids"]) for c in calls)
