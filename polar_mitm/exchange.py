@@ -141,9 +141,13 @@ class Call:
         model = self.settings.model or self.req.model or None
         exact = self.settings.exact
         if exact is not None and upstream.token_in_path:
-            self.lookup = await exact.lookup(
-                self.record.rollout_id, self.req.chat, self.settings.max_model_len
-            )
+            try:
+                self.lookup = await exact.lookup(
+                    self.record.rollout_id, self.req.chat, self.settings.max_model_len
+                )
+            except asyncio.CancelledError:  # the harness left (or shutdown) during the lookup
+                self.finish(*self._abort)
+                raise
         plan = self.lookup.plan if self.lookup is not None else None
         if plan is not None:
             assert exact is not None
