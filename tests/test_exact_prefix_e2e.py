@@ -345,3 +345,45 @@ def test_the_other_dialects_see_the_same_replies(make_policy_server, make_mitm, 
     [trace] = traces
     assert trace["input_ids"] == calls[-1]["prompt_token_ids"] + calls[-1]["output_token_ids"]
     assert sum(trace["loss_mask"]) == sum(len(c["output_token_ids"]) for c in calls)
+
+
+def test_a_token_in_call_whose_server_is_gone_is_an_error_in_the_dialect(
+    make_policy_server, make_mitm
+):
+    server = make_policy_server(SCENARIO)
+    mitm = make_mitm(
+        server.url, polar_tokenizer=str(qwen3_tokenizer_dir()), polar_exact_prefix="true"
+    )
+    messages: list[dict] = [
+        {"role": "system", "content": "You are a coding agent. Use run_shell."},
+        {"role": "user", "content": "What is the last line of notes.txt?"},
+    ]
+    with openai_client(mitm, api_key="polar-gone.0") as client:
+        reply = ask(client, messages, stream=False)
+        [call] = reply["tool_calls"]
+        messages += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call["id"], "content": "notes.txt"},
+        ]
+        server.stop()
+        with pytest.raises(openai.APIStatusError) as failed:
+            ask(client, messages, stream=True)
+        assert failed.value.status_code == 502
+        assert server.url in str(failed.value)
+    assert mitm.stop() == 0, mitm.proc.output()
+    calls, _ = records(mitm.output, "gone.0")
+    assert [(c["route"], c["status"]) for c in calls] == [
+        ("chat", "completed"),
+        ("token_in", "error"),
+    ]
+    assert "unreachable" in calls[1]["error"] and calls[1]["http_status"] == 502
