@@ -104,6 +104,22 @@ class CallRecord:
         if name not in self.fidelity_flags:
             self.fidelity_flags.append(name)
 
+    def fidelity_data(self) -> dict[str, Any]:
+        """`fidelity_json` as a dict (empty when unset or not an object)."""
+        if not self.fidelity_json:
+            return {}
+        try:
+            data = json.loads(self.fidelity_json)
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def update_fidelity(self, **items: Any) -> None:
+        """Set keys of `fidelity_json`, keeping the others (several stages write there)."""
+        data = self.fidelity_data()
+        data.update(items)
+        self.fidelity_json = json.dumps(data, ensure_ascii=False)
+
     def to_row(self) -> dict[str, Any]:
         return asdict(self)
 

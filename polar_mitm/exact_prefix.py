@@ -264,13 +264,7 @@ class ExactPrefix:
         messages = [*lead, {"role": "user", "content": "."}, stand_in, *tail]
         tok = self.tokenizer
         with tok.lock:
-            text = tok.impl.apply_chat_template(
-                messages,
-                tools=inp.tools or None,
-                add_generation_prompt=True,
-                tokenize=False,
-                **inp.kwargs,
-            )
+            text = tok.render(messages, inp.tools, inp.kwargs)
         eos = chain.eos_text or ""
         at = text.find(SENTINEL)
         end = text.find(eos, at + len(SENTINEL)) if at >= 0 and eos else -1
@@ -334,12 +328,8 @@ class ExactPrefix:
         inp = render_input(chat, self.flavor)
         tok = self.tokenizer
         with tok.lock:
-            text = tok.impl.apply_chat_template(
-                inp.messages,
-                tools=inp.tools or None,
-                add_generation_prompt=inp.add_generation_prompt,
-                tokenize=False,
-                **inp.kwargs,
+            text = tok.render(
+                inp.messages, inp.tools, inp.kwargs, generation=inp.add_generation_prompt
             )
             return tok.encode(text)
 
@@ -399,15 +389,7 @@ class ExactPrefix:
 
 def put_note(record: CallRecord, note: dict[str, Any]) -> None:
     """`fidelity_json["exact_prefix"]` on the record (other keys kept)."""
-    data: dict[str, Any] = {}
-    if record.fidelity_json:
-        try:
-            loaded = json.loads(record.fidelity_json)
-            data = loaded if isinstance(loaded, dict) else {}
-        except ValueError:
-            data = {}
-    data["exact_prefix"] = note
-    record.fidelity_json = json.dumps(data, ensure_ascii=False)
+    record.update_fidelity(exact_prefix=note)
 
 
 def _unsupported(chat: Mapping[str, Any], inp: RenderInput) -> str | None:

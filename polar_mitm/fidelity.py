@@ -99,6 +99,26 @@ class PolicyTokenizer:
             return getattr(self.impl, "eos_token_id", None)
         return self.impl._special_tokens.get("<|endoftext|>")
 
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        *,
+        generation: bool = True,
+        continue_final: bool = False,
+    ) -> str:
+        """The chat template's text for a conversation (normalized by `conversation.py`).
+        Callers hold `lock` (HF tokenizers are not safe to share between threads)."""
+        return self.impl.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=generation,
+            continue_final_message=continue_final,
+            tokenize=False,
+            **kwargs,
+        )
+
     @property
     def has_chat_template(self) -> bool:
         return self.kind == "hf" and bool(getattr(self.impl, "chat_template", None))

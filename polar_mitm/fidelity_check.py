@@ -258,13 +258,7 @@ def rerender_checks(
 def apply_findings(record: CallRecord, found: Findings, mode: str, tokenizer: str | None) -> None:
     """Put the findings on the record: flags, ``fidelity_json``, and in strict mode
     ``trainable = False`` for a flagged call."""
-    data: dict[str, Any] = {}
-    if record.fidelity_json:
-        try:
-            loaded = json.loads(record.fidelity_json)
-            data = loaded if isinstance(loaded, dict) else {}
-        except ValueError:
-            data = {}
+    data = record.fidelity_data()
     data["checked"] = {"mode": mode, "tokenizer": tokenizer}
     if found.error:
         data["checked"]["error"] = found.error

@@ -29,7 +29,6 @@ after the harness already has its whole reply; the record reaches the sinks when
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -123,27 +122,23 @@ class Retokenizer:
                 error=f"polar_tokenizer {self.tokenizer.spec} has no chat template"
             )
         inp = render_input(job.body, job.flavor)
-        tok = self.tokenizer.impl
+        policy = self.tokenizer
+        tok = policy.impl
         result = RetokenizeResult()
         with self._lock:
-            prompt_text = tok.apply_chat_template(
+            prompt_text = policy.render(
                 inp.messages,
-                tools=inp.tools or None,
-                add_generation_prompt=inp.add_generation_prompt,
-                continue_final_message=inp.continue_final_message,
-                tokenize=False,
-                **inp.kwargs,
+                inp.tools,
+                inp.kwargs,
+                generation=inp.add_generation_prompt,
+                continue_final=inp.continue_final_message,
             )
             if job.prompt_ids is None:
                 result.prompt_ids = list(tok.encode(prompt_text, add_special_tokens=False))
             if job.output_ids is None:
                 reply = history_message(job.flavor, _as_parsed(job.message))
-                full_text = tok.apply_chat_template(
-                    [*inp.messages, reply],
-                    tools=inp.tools or None,
-                    add_generation_prompt=False,
-                    tokenize=False,
-                    **inp.kwargs,
+                full_text = policy.render(
+                    [*inp.messages, reply], inp.tools, inp.kwargs, generation=False
                 )
                 if full_text.startswith(prompt_text):
                     written = full_text[len(prompt_text) :]
@@ -245,13 +240,4 @@ def apply_result(job: RetokenizeJob, result: RetokenizeResult, trust: bool) -> N
 
 
 def _put_fidelity(record: CallRecord, detail: Mapping[str, Any]) -> None:
-    data: dict[str, Any] = {}
-    if record.fidelity_json:
-        try:
-            loaded = json.loads(record.fidelity_json)
-            if isinstance(loaded, dict):
-                data = loaded
-        except (json.JSONDecodeError, ValueError):
-            data = {}
-    data[FLAG] = dict(detail)
-    record.fidelity_json = json.dumps(data)
+    record.update_fidelity(**{FLAG: dict(detail)})

@@ -19,7 +19,7 @@ from typing import Any
 
 from .exact_prefix import ExactPlan
 from .output_parsers import Family
-from .output_parsers.qwen3 import make_tool_call_id
+from .output_parsers.qwen3 import message_tool_calls
 from .upstream import TokenTally, Upstream
 from .upstream.base import TextPiece
 
@@ -93,14 +93,7 @@ class TokenInReply:
         if parsed.reasoning is not None:
             message["reasoning"] = parsed.reasoning
         if parsed.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": make_tool_call_id(),
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in parsed.tool_calls
-            ]
+            message["tool_calls"] = message_tool_calls(parsed.tool_calls)
         choice = {
             "index": 0,
             "message": message,

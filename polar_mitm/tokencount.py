@@ -37,15 +37,10 @@ class PromptCounter:
                 inp = None
             if inp is not None:
                 with tok.lock:
-                    encoded = tok.impl.apply_chat_template(
-                        inp.messages,
-                        tools=inp.tools or None,
-                        add_generation_prompt=inp.add_generation_prompt,
-                        tokenize=True,
-                        **inp.kwargs,
+                    text = tok.render(
+                        inp.messages, inp.tools, inp.kwargs, generation=inp.add_generation_prompt
                     )
-                ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-                return len(ids)
+                    return len(tok.encode(text))
         text = _plain_text(text_only)
         if tok is not None:
             with tok.lock:

@@ -118,8 +118,14 @@ def start_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> tup
 
 
 def start_proxy(
-    tmp: Path, column: str, upstream: str, confdir: Path, name: str | None = None
+    tmp: Path,
+    column: str,
+    upstream: str,
+    confdir: Path,
+    name: str | None = None,
+    options: dict[str, str] | None = None,
 ) -> tuple[Child, int]:
+    """mitmdump for one column; `options` are more `--set`s for the polar-mitm column."""
     port = free_port()
     args = [
         str(BIN / "mitmdump"),
@@ -141,6 +147,8 @@ def start_proxy(
             "--set",
             f"polar_output={tmp / ((name or column) + '-data')}",
         ]
+        for key, value in (options or {}).items():
+            args += ["--set", f"{key}={value}"]
         ready = r"polar-mitm: capturing"
     else:
         args += ["-s", str(ROOT / "scripts" / "bench_floor.py")]
@@ -149,7 +157,7 @@ def start_proxy(
         "BENCH_UPSTREAM": upstream,
         "BENCH_STREAM": "1" if column.startswith("mitm-stream") else "0",
     }
-    return Child(args, tmp / f"{column}.log", ready, env=env), port
+    return Child(args, tmp / f"{name or column}.log", ready, env=env), port
 
 
 # -- the client ----------------------------------------------------------------------------------

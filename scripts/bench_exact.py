@@ -182,27 +182,13 @@ def proxy_figures(conversations: int = 6) -> dict:
         server, url = bench.start_server(tmp, scenario, 0, "server")
         try:
             for mode in ("chat", "exact"):
-                port = bench.free_port()
-                args = [
-                    str(bench.BIN / "mitmdump"),
-                    "-s",
-                    str(bench.ROOT / "addons" / "polar.py"),
-                    "--listen-host",
-                    "127.0.0.1",
-                    "--listen-port",
-                    str(port),
-                    "--set",
-                    f"confdir={confdir}",
-                    "--set",
-                    f"polar_upstream={url}",
-                    "--set",
-                    f"polar_output={tmp / mode}",
-                    "--set",
-                    f"polar_tokenizer={qwen3_tokenizer_dir()}",
-                    "--set",
-                    f"polar_exact_prefix={'true' if mode == 'exact' else 'false'}",
-                ]
-                proxy = bench.Child(args, tmp / f"{mode}.log", r"polar-mitm: capturing")
+                options = {
+                    "polar_tokenizer": str(qwen3_tokenizer_dir()),
+                    "polar_exact_prefix": "true" if mode == "exact" else "false",
+                }
+                proxy, port = bench.start_proxy(
+                    tmp, "polar-mitm", url, confdir, name=mode, options=options
+                )
                 try:
                     with httpx.Client(
                         proxy=f"http://127.0.0.1:{port}",

@@ -230,27 +230,13 @@ def proxy_figures(calls: int = 60) -> dict:
         server, url = bench.start_server(tmp, scenario, 0, "server")
         try:
             for mode in ("off", "check"):
-                port = bench.free_port()
-                args = [
-                    str(bench.BIN / "mitmdump"),
-                    "-s",
-                    str(bench.ROOT / "addons" / "polar.py"),
-                    "--listen-host",
-                    "127.0.0.1",
-                    "--listen-port",
-                    str(port),
-                    "--set",
-                    f"confdir={confdir}",
-                    "--set",
-                    f"polar_upstream={url}",
-                    "--set",
-                    f"polar_output={tmp / mode}",
-                    "--set",
-                    f"polar_fidelity={mode}",
-                    "--set",
-                    f"polar_tokenizer={qwen3_tokenizer_dir()}",
-                ]
-                proxy = bench.Child(args, tmp / f"{mode}.log", r"polar-mitm: capturing")
+                options = {
+                    "polar_fidelity": mode,
+                    "polar_tokenizer": str(qwen3_tokenizer_dir()),
+                }
+                proxy, port = bench.start_proxy(
+                    tmp, "polar-mitm", url, confdir, name=mode, options=options
+                )
                 try:
                     with httpx.Client(
                         proxy=f"http://127.0.0.1:{port}",

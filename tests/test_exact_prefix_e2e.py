@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from polar_mitm.store import read_table
 
 from .clients import RUN_SHELL, openai_client
 from .procs import MITMDUMP, ROOT
+from .test_fidelity_e2e import cli
 from .upstreams import direct_ids
 
 SCENARIO = Path(__file__).parent / "scenarios" / "exact_prefix.json"
@@ -178,13 +178,7 @@ def test_enforce_mode_removes_the_drift_chat_mode_has(make_policy_server, make_m
     assert masked == pytest.approx([lp for c in calls for lp in c["output_logprobs"]])
 
     # the report shows what exact-prefix mode removed
-    report = subprocess.run(
-        [sys.executable, "-m", "polar_mitm.cli", "fidelity", str(exact_mitm.output), "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    report = cli("fidelity", str(exact_mitm.output), "--json")
     assert report.returncode == 0, report.stderr
     exact = json.loads(report.stdout)["total"]["exact_prefix"]
     assert exact["token_in_calls"] == 3 and exact["chat_calls"] == 1

@@ -56,6 +56,18 @@ class ParsedToolCall:
     arguments: str  # JSON text, as the OpenAI wire carries it
 
 
+def message_tool_calls(calls: Sequence[ParsedToolCall]) -> list[dict[str, Any]]:
+    """Parsed tool calls as a chat message's ``tool_calls`` (each with a fresh vLLM-style id)."""
+    return [
+        {
+            "id": make_tool_call_id(),
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for c in calls
+    ]
+
+
 @dataclass(frozen=True)
 class ParsedOutput:
     reasoning: str | None

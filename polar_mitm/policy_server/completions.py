@@ -31,7 +31,7 @@ from aiohttp import web
 from ..conversation import RenderInput, RequestError
 from .generation import fake_logprob, token_limit
 from .scenario import Turn
-from .wire import ReplyPlan, WireError
+from .wire import ReplyPlan
 
 if TYPE_CHECKING:
     from .server import PolicyServer
@@ -223,12 +223,7 @@ def add_routes(app: web.Application, server: PolicyServer) -> None:
         body = await server._body(request)
         if not isinstance(body, dict):
             raise server._bad_request(RequestError("the body must be a JSON object"))
-        model = body.get("model")
-        if model and model != server.served_model:
-            raise WireError(
-                404,
-                server.wire.error(404, f"The model `{model}` does not exist.", "NotFoundError"),
-            )
+        server.check_model(body.get("model"))
         server.control.stats["completion_requests"] += 1
         max_tokens = body.get("max_tokens")
         max_tokens = _DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens

@@ -304,6 +304,16 @@ class PolicyServer:
             raise error
         return json.loads(raw)
 
+    def check_model(self, model: Any) -> None:
+        """vLLM's 404 for a model it does not serve (no model named: the served one)."""
+        if model and model != self.served_model:
+            raise WireError(
+                404,
+                self.wire.error(
+                    404, f"The model `{model}` does not exist.", "NotFoundError", "model"
+                ),
+            )
+
     def _bad_request(self, e: RequestError) -> WireError:
         return WireError(400, self.wire.error(400, str(e), "BadRequestError", e.param))
 
@@ -428,14 +438,7 @@ class PolicyServer:
         body = await self._body(request)
         if not isinstance(body, dict):
             raise self._bad_request(RequestError("the body must be a JSON object"))
-        model = body.get("model")
-        if model and model != self.served_model:
-            raise WireError(
-                404,
-                self.wire.error(
-                    404, f"The model `{model}` does not exist.", "NotFoundError", "model"
-                ),
-            )
+        self.check_model(body.get("model"))
         try:
             ids = await asyncio.to_thread(self._tokenize_ids, body)
         except RequestError as e:

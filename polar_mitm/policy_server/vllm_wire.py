@@ -28,7 +28,7 @@ from ..conversation import (
     normalize_tools,
     template_kwargs,
 )
-from ..output_parsers.qwen3 import StreamParser, make_tool_call_id, parse_output
+from ..output_parsers.qwen3 import StreamParser, message_tool_calls, parse_output
 from .generation import Sample
 from .wire import ChatCall, ReplyPlan, WireError
 
@@ -258,14 +258,7 @@ class VllmWire:
             "function_call": None,
         }
         if parsed.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": make_tool_call_id(),
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in parsed.tool_calls
-            ]
+            message["tool_calls"] = message_tool_calls(parsed.tool_calls)
         self._put_reasoning(message, parsed.reasoning if call.include_reasoning else None)
         hide = not call.include_reasoning
         choice = {
