@@ -26,6 +26,9 @@ Modes (``after``/``at`` count events of the stream as the wire built it: the fir
   vLLM does when generation fails mid-stream.
 * ``drop_token_ids`` — remove every token field (``prompt_token_ids``, ``token_ids``, ``meta_info``)
   from the reply, as a server that ignores the flags would send it.
+* ``lose_token_ids`` — the last ``count`` (default 1) sampled ids go missing from ``token_ids``
+  while ``usage`` still counts them, as when a vLLM bug dropped tool-call tokens from streams:
+  the stream's last ``count`` chunks that carry ids lose them; a whole reply's list loses its tail.
 * ``drop_usage`` — remove the usage (chunk or field).
 * ``flood`` — a long, fast stream: ``chunks`` (default 2000) content chunks of ``bytes`` (default
   4096) characters each, one token id each, then the finish chunk, usage and ``[DONE]``.
@@ -161,6 +164,35 @@ def drop_token_ids(spec: dict[str, Any], plan: ReplyPlan) -> ReplyPlan:
     return plan
 
 
+def lose_token_ids(spec: dict[str, Any], plan: ReplyPlan) -> ReplyPlan:
+    count = _int(spec, "count", 1)
+    if not plan.stream:
+
+        def cut(obj: dict[str, Any]) -> dict[str, Any]:
+            for choice in obj.get("choices") or ():
+                if isinstance(choice.get("token_ids"), list):
+                    choice["token_ids"] = choice["token_ids"][
+                        : max(len(choice["token_ids"]) - count, 0)
+                    ]
+            return obj
+
+        _rewrite_json(plan, cut)
+        return plan
+    objects = [e for e in plan.events if e.startswith(b"data: {")]  # what `edit` is called on
+    carrying = [i for i, event in enumerate(objects) if b'"token_ids":[' in event]
+    lose = set(carrying[-count:]) if count > 0 else set()
+    seen = iter(range(len(objects)))
+
+    def edit(obj: dict[str, Any]) -> dict[str, Any]:
+        if next(seen) in lose:
+            for choice in obj.get("choices") or ():
+                choice.pop("token_ids", None)
+        return obj
+
+    _rewrite_json(plan, edit)
+    return plan
+
+
 def drop_usage(spec: dict[str, Any], plan: ReplyPlan) -> ReplyPlan:
     def edit(obj: dict[str, Any]) -> dict[str, Any] | None:
         if plan.stream and not obj.get("choices") and "usage" in obj:
@@ -242,6 +274,7 @@ FAULTS: dict[str, FaultFn] = {
     "bad_json": bad_json,
     "error_event": error_event,
     "drop_token_ids": drop_token_ids,
+    "lose_token_ids": lose_token_ids,
     "drop_usage": drop_usage,
     "flood": flood,
     "replay": replay,

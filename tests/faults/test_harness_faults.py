@@ -80,20 +80,26 @@ def test_client_gives_up_before_the_reply(row, fault_server, make_mitm, ledger, 
     the upstream request and records client_aborted, no tokens."""
     reset_server(fault_server)
     mitm = make_mitm(fault_server.url)
-    text = marker("gives-up")
+    text, after = marker("gives-up"), marker("next")
     arm(fault_server, text, {"mode": "stall", "after": 0, "seconds": 60})
+    key = secret_book.new("sk-giveup")
     with ledger.fault(f"{row.name}:client-gives-up"):
         with (
-            Harness(mitm, row, api_key=secret_book.new("sk-giveup"), timeout=1.0) as harness,
+            Harness(mitm, row, api_key=key, timeout=1.0) as harness,
             pytest.raises(httpx.ReadTimeout),
         ):
             harness.call(text, False)
         wait_until(lambda: server_stats(fault_server).get("client_gone") == 1, what="the cancel")
+        with Harness(mitm, row, api_key=key) as harness:  # the proxy serves the next call
+            nxt = harness.call(after, True)
+            assert nxt.status == 200 and nxt.done and nxt.error is None, nxt
         rows = records(mitm)
-        ledger.account(rows, [text])
+        ledger.account(rows, [text, after])
         rec = record_of(rows, text)
         assert rec["status"] == "client_aborted" and rec["output_token_ids"] == []
-        assert rec["prompt_token_ids"] is None
+        assert rec["prompt_token_ids"] is None and rec["trainable"] is False
+        assert "harness" in rec["error"], rec["error"]
+        assert record_of(rows, after)["status"] == "completed"
 
 
 @pytest.mark.parametrize("row", dialect_rows(), ids=row_id)
@@ -104,7 +110,7 @@ def test_slow_reader_gets_back_pressure(row, fault_server, make_mitm, ledger, se
     mitm = make_mitm(fault_server.url)
     chunks, size = 4000, 16 << 10
     total = chunks * size
-    text = marker("flood")
+    text, after = marker("flood"), marker("next")
     arm(fault_server, text, {"mode": "flood", "chunks": chunks, "bytes": size})
     pid = mitm.proc.popen.pid
     seen: dict[str, int] = {}
@@ -135,11 +141,14 @@ def test_slow_reader_gets_back_pressure(row, fault_server, make_mitm, ledger, se
         assert seen["completed"] == 0, "the server finished: nothing held it back"
         assert seen["sent"] < total / 2 and seen["plateau"] < 2 * size
         assert growth < 0.4 * total, f"proxy RSS grew {growth / 1e6:.0f} MB"
+        nxt = harness.call(after, True)
+        assert nxt.status == 200 and nxt.done and nxt.error is None, nxt
         rows = records(mitm)
-        ledger.account(rows, [text])
+        ledger.account(rows, [text, after])
         rec = record_of(rows, text)
         assert rec["status"] == "completed" and len(rec["output_token_ids"]) == chunks + 1
-        assert rec["count_check"] == "ok"
+        assert rec["count_check"] == "ok" and rec["error"] is None
+        assert record_of(rows, after)["status"] == "completed"
 
 
 @pytest.mark.parametrize("row", dialect_rows(), ids=row_id)
