@@ -76,7 +76,7 @@ else
     elif [ "$SESSION" = pi ]; then
         HARNESS_BIN="$(./scripts/install_harnesses.sh)"
     fi
-    [ "$SESSION" = pi ] && SERVER_ARGS=(--scenario tests/e2e/scenarios/harnesses.json)
+    [ "$SESSION" = pi ] && SERVER_ARGS=(--scenario polar_mitm/policy_server/scenarios/demo_pi.json)
     echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
 fi
 polar-mitm policy-server --port 0 "${SERVER_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
@@ -123,7 +123,7 @@ if [ "$SESSION" = pi ]; then
 {"providers": {"polar": {"baseUrl": "https://api.openai.com/v1", "api": "openai-completions",
                          "apiKey": "OPENAI_API_KEY", "models": [{"id": "gpt-4.1-mini"}]}}}
 JSON
-    PROMPT="Create a file named hello.txt containing exactly the text: polar was here"
+    PROMPT="Create a file named hello.txt containing exactly the text: polar was here, then check it"
     echo "== running Pi $("$HARNESS_BIN/pi" --version 2>&1) (unmodified): pi --provider polar --model gpt-4.1-mini -p \"$PROMPT\""
     (cd "$WORK" && env -i PATH="/usr/local/bin:/usr/bin:/bin" HOME="$PI_HOME" TERM=dumb bash -c \
         'eval "$1"; export OPENAI_API_KEY=polar-demo-task.0; exec "$2" --provider polar --model gpt-4.1-mini -p "$3" </dev/null' \

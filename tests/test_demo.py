@@ -1,0 +1,47 @@
+"""`./scripts/demo.sh`, as a user on this machine runs it: both sessions (the real Pi harness, and
+the openai-SDK session), each ending with a summary of 3 captured calls for one rollout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from .procs import ROOT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("session", ["sdk", "pi"])
+def test_demo_prints_a_summary_of_three_calls(tmp_path, session):
+    if session == "pi" and not (shutil.which("node") and shutil.which("npm")):
+        pytest.fail("the Pi demo needs Node.js and npm (scripts/test.sh installs the harnesses)")
+    out = tmp_path / "demo"
+    env = {
+        **os.environ,
+        "POLAR_DEMO_SESSION": session,
+        "POLAR_DEMO_OUT": str(out),
+        "COLUMNS": "200",
+    }
+    proc = subprocess.run(
+        ["./scripts/demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "== captured under" in proc.stdout and "demo-task.0" in proc.stdout
+    summary = subprocess.run(
+        [sys.executable, "-m", "polar_mitm.cli", "summary", str(out / "data"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert summary.returncode == 0, summary.stderr
+    data = json.loads(summary.stdout)
+    [rollout] = [r for r in data["rollouts"] if r["rollout_id"] == "demo-task.0"]
+    assert rollout["calls"] == 3, rollout
+    assert "the main trace of demo-task.0" in proc.stdout
+    if session == "pi":
+        assert (out / "work" / "hello.txt").read_text() == "polar was here"
+        assert "reward 1.0" in proc.stdout
