@@ -6,6 +6,10 @@ Columns (same client, same upstream, same run):
                     streamed (`flow.response.stream = True`): the floor for any addon that streams
   mitm-buffered     the same, mitmdump's default buffering (the whole generation, then replayed)
   polar-mitm        mitmdump -s addons/polar.py (capture + journal + Parquet shards on)
+  polar-mitm/responses, polar-mitm/messages
+                    the same proxy, with Codex's (OpenAI Responses) and Claude Code's (Anthropic
+                    Messages) streams: translated to chat completions upstream and back; latency
+                    only, against polar-mitm's own chat column (nothing else speaks them here)
 
 The proxy columns use the harness path: HTTPS to api.openai.com through HTTP CONNECT with the
 generated CA. Figures: time to first byte, time to last byte, latency added over direct (median and
@@ -44,6 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 URL = "https://api.openai.com/v1/chat/completions"
 COLUMNS = ("direct", "mitm-stream", "mitm-buffered", "polar-mitm")
+# The other harness dialects, through the same polar-mitm proxy (latency only: the floors and the
+# server speak chat completions alone, so their yardstick is polar-mitm's own chat column).
+DIALECT_COLUMNS = ("polar-mitm/responses", "polar-mitm/messages")
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -198,32 +205,61 @@ BODY = {
 }
 
 
+# Codex's and Claude Code's APIs: the same scripted reply, each stream's own last event.
+DIALECT_CALLS = {
+    "polar-mitm/responses": (
+        "https://api.openai.com/v1/responses",
+        {
+            "model": "gpt-5",
+            "instructions": "You are a coding agent.",
+            "input": [{"role": "user", "content": "Write the benchmark reply."}],
+            "stream": True,
+            "store": False,
+        },
+        b"response.completed",
+    ),
+    "polar-mitm/messages": (
+        "https://api.anthropic.com/v1/messages",
+        {
+            "model": "claude-sonnet-4-5",
+            "system": "You are a coding agent.",
+            "max_tokens": 4096,
+            "messages": [{"role": "user", "content": "Write the benchmark reply."}],
+            "stream": True,
+        },
+        b"message_stop",
+    ),
+}
+
+
 async def one_call(
     session: aiohttp.ClientSession,
     url: str,
     proxy: str | None,
     ssl_ctx: ssl.SSLContext | bool,
     rollout: str,
+    body: dict | None = None,
+    done: bytes = b"[DONE]",
 ) -> Sample:
     start = time.perf_counter()
     first = None
     try:
         async with session.post(
             url,
-            json=BODY,
+            json=body or BODY,
             proxy=proxy,
             ssl=ssl_ctx,
-            headers={"authorization": f"Bearer polar-{rollout}"},
+            headers={"authorization": f"Bearer polar-{rollout}", "x-api-key": f"polar-{rollout}"},
         ) as r:
             if r.status != 200:
                 await r.read()
                 return Sample(0, 0, False)
-            tail = b""
+            tail, ok = b"", False
             async for data in r.content.iter_any():
                 if first is None:
                     first = time.perf_counter()
+                ok = ok or done in tail + data
                 tail = (tail + data)[-64:]
-            ok = b"[DONE]" in tail
     except aiohttp.ClientError:
         return Sample(0, 0, False)
     end = time.perf_counter()
@@ -287,6 +323,8 @@ class Target:
     proxy: str | None
     ssl: ssl.SSLContext | bool
     child: Child | None = None
+    body: dict | None = None  # None: the chat-completions BODY
+    done: bytes = b"[DONE]"  # the stream's last event
 
 
 def targets(tmp: Path, upstream: str, confdir: Path, ssl_ctx: ssl.SSLContext, mode: str) -> dict:
@@ -294,6 +332,9 @@ def targets(tmp: Path, upstream: str, confdir: Path, ssl_ctx: ssl.SSLContext, mo
     for column in COLUMNS[1:]:
         child, port = start_proxy(tmp, column, upstream, confdir, name=f"{column}-{mode}")
         out[column] = Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
+    polar = out["polar-mitm"]
+    for column, (url, body, done) in DIALECT_CALLS.items():
+        out[column] = Target(url, polar.proxy, ssl_ctx, None, body, done)  # the same proxy
     return out
 
 
@@ -316,7 +357,7 @@ async def interleaved(ts: dict[str, Target], sessions: int, rounds: int) -> dict
             for column, t in ts.items():
                 samples = await asyncio.gather(
                     *(
-                        one_call(s, t.url, t.proxy, t.ssl, f"bench-{column}.{i}")
+                        one_call(s, t.url, t.proxy, t.ssl, f"bench-{column}.{i}", t.body, t.done)
                         for i, s in enumerate(pools[column])
                     )
                 )
@@ -339,7 +380,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     scenario = write_scenario(tmp, args.tokens)
     paced, paced_url = start_server(tmp, scenario, args.token_rate, "server-paced")
     fast, fast_url = start_server(tmp, scenario, 0, "server-fast")
-    results: dict = {"config": vars(args), "columns": {c: {} for c in COLUMNS}}
+    results: dict = {"config": vars(args), "columns": {c: {} for c in COLUMNS + DIALECT_COLUMNS}}
     cols = results["columns"]
     try:
         ts = targets(tmp, paced_url, confdir, ssl_ctx, "paced")
@@ -484,6 +525,19 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
                     f"{added(p, d, conc, q):.1f}",
                     f"stream {added(s, d, conc, q):.1f} / buffered {added(b, d, conc, q):.1f}",
                     ratio(added(p, d, conc, q), added(s, d, conc, q)),
+                )
+            )
+    for column in DIALECT_COLUMNS:
+        x = cols.get(column) or {}
+        for conc in ("c1", "c32"):
+            if conc not in x:
+                continue
+            rows.append(
+                (
+                    f"{column.split('/')[1]}: TTLB p50 ms ({conc[1:]} conc)",
+                    f"{x[conc]['ttlb_ms_p50']:.1f}",
+                    f"polar-mitm chat {p[conc]['ttlb_ms_p50']:.1f} (TTFB {x[conc]['ttfb_ms_p50']:.1f} vs {p[conc]['ttfb_ms_p50']:.1f})",
+                    ratio(x[conc]["ttlb_ms_p50"], p[conc]["ttlb_ms_p50"]),
                 )
             )
     rows.append(

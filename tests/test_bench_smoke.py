@@ -33,6 +33,11 @@ def test_bench_smoke(tmp_path):
         assert col["c1"]["calls"] > 0 and col["throughput"]["calls"] > 0, (column, col)
         assert col["c1"]["ttfb_ms_p50"] > 0
     assert results["columns"]["polar-mitm"]["throughput"]["cpu_s_per_1k_calls"] > 0
+    for column in ("polar-mitm/responses", "polar-mitm/messages"):  # Codex's and Claude's APIs
+        col = results["columns"][column]
+        assert col["c1"]["calls"] > 0 and col["c1"]["errors"] == 0, (column, col)
+    assert isinstance(results["inprocess"]["parquet_flush_vs_raw"], float)
+    assert isinstance(results["inprocess"]["merge_time_2N_over_N"], float)
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "added latency p50 ms (1 conc)" in proc.stdout
     assert results["inprocess"]["fidelity_check_vs_off"] > 1  # scripts/bench_fidelity.py
