@@ -6,6 +6,8 @@ Columns (same client, same upstream, same run):
                     streamed (`flow.response.stream = True`): the floor for any addon that streams
   mitm-buffered     the same, mitmdump's default buffering (the whole generation, then replayed)
   polar-mitm        mitmdump -s addons/polar.py (capture + journal + Parquet shards on)
+  litellm           LiteLLM's proxy (a gateway at a base URL, chat path) in front of the same
+                    server, when .venv-litellm holds it (`--litellm` installs it from PyPI)
   polar-mitm/responses, polar-mitm/messages
                     the same proxy, with Codex's (OpenAI Responses) and Claude Code's (Anthropic
                     Messages) streams: translated to chat completions upstream and back; latency
@@ -97,6 +99,54 @@ class Child:
                 self.proc.kill()
                 self.proc.wait()
         self._fh.close()
+
+
+LITELLM_VERSION = "1.108.7"
+LITELLM_VENV = ROOT / ".venv-litellm"
+LITELLM_KEY = "sk-bench-litellm-0123456789abcdef"  # a loopback-only master key for the column
+
+
+def litellm_bin(install: bool) -> Path | None:
+    """The LiteLLM proxy of the `litellm` column (its own venv: its pins are not ours); with
+    `install`, set it up from PyPI (about 2 minutes) when missing."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists() and install:
+        print(
+            f"  installing litellm[proxy]=={LITELLM_VERSION} into {LITELLM_VENV}", file=sys.stderr
+        )
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run(
+            [
+                str(LITELLM_VENV / "bin" / "pip"),
+                "install",
+                "-q",
+                f"litellm[proxy]=={LITELLM_VERSION}",
+            ],
+            check=True,
+        )
+    return exe if exe.exists() else None
+
+
+def start_litellm(tmp: Path, upstream: str, name: str) -> tuple[Child, int]:
+    """LiteLLM's proxy in front of the reference server: a gateway the harness would point its
+    base URL at (chat completions, streaming passed through), offline and on loopback."""
+    exe = litellm_bin(install=False)
+    assert exe is not None
+    port = free_port()
+    config = tmp / f"{name}.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: Qwen/Qwen3-4B\n"
+        "    litellm_params:\n"
+        "      model: openai/Qwen/Qwen3-4B\n"
+        f"      api_base: {upstream}/v1\n"
+        "      api_key: none\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+    )
+    args = [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    env = {"LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    return Child(args, tmp / f"{name}.log", r"Application startup complete", 180, env), port
 
 
 def free_port() -> int:
@@ -240,16 +290,18 @@ async def one_call(
     rollout: str,
     body: dict | None = None,
     done: bytes = b"[DONE]",
+    key: str | None = None,
 ) -> Sample:
     start = time.perf_counter()
     first = None
+    key = key or f"polar-{rollout}"
     try:
         async with session.post(
             url,
             json=body or BODY,
             proxy=proxy,
             ssl=ssl_ctx,
-            headers={"authorization": f"Bearer polar-{rollout}", "x-api-key": f"polar-{rollout}"},
+            headers={"authorization": f"Bearer {key}", "x-api-key": key},
         ) as r:
             if r.status != 200:
                 await r.read()
@@ -275,6 +327,7 @@ async def drive(
     calls: int | None,
     seconds: float | None,
     cpu_of: Callable[[], float] | None,
+    key: str | None = None,
 ) -> Run:
     """`sessions` concurrent harness sessions (one keep-alive connection each), each making calls
     back to back, until `calls` per session or `seconds` of wall time."""
@@ -292,7 +345,7 @@ async def drive(
             while (calls is None or n < calls) and (
                 deadline is None or time.perf_counter() < deadline
             ):
-                sample = await one_call(s, url, proxy, ssl_ctx, f"bench-{column}.{i}")
+                sample = await one_call(s, url, proxy, ssl_ctx, f"bench-{column}.{i}", key=key)
                 run.samples.append(sample)
                 run.errors += not sample.ok
                 n += 1
@@ -325,9 +378,17 @@ class Target:
     child: Child | None = None
     body: dict | None = None  # None: the chat-completions BODY
     done: bytes = b"[DONE]"  # the stream's last event
+    key: str | None = None  # the API key (None: polar-<rollout>)
 
 
-def targets(tmp: Path, upstream: str, confdir: Path, ssl_ctx: ssl.SSLContext, mode: str) -> dict:
+def targets(
+    tmp: Path,
+    upstream: str,
+    confdir: Path,
+    ssl_ctx: ssl.SSLContext,
+    mode: str,
+    extra: tuple[str, ...] = (),
+) -> dict:
     out = {"direct": Target(upstream + "/v1/chat/completions", None, False)}
     for column in COLUMNS[1:]:
         child, port = start_proxy(tmp, column, upstream, confdir, name=f"{column}-{mode}")
@@ -335,6 +396,8 @@ def targets(tmp: Path, upstream: str, confdir: Path, ssl_ctx: ssl.SSLContext, mo
     polar = out["polar-mitm"]
     for column, (url, body, done) in DIALECT_CALLS.items():
         out[column] = Target(url, polar.proxy, ssl_ctx, None, body, done)  # the same proxy
+    for column in extra:
+        [(_, out[column])] = targets_for(tmp, column, upstream, confdir, ssl_ctx, mode)
     return out
 
 
@@ -357,7 +420,9 @@ async def interleaved(ts: dict[str, Target], sessions: int, rounds: int) -> dict
             for column, t in ts.items():
                 samples = await asyncio.gather(
                     *(
-                        one_call(s, t.url, t.proxy, t.ssl, f"bench-{column}.{i}", t.body, t.done)
+                        one_call(
+                            s, t.url, t.proxy, t.ssl, f"bench-{column}.{i}", t.body, t.done, t.key
+                        )
                         for i, s in enumerate(pools[column])
                     )
                 )
@@ -380,10 +445,15 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     scenario = write_scenario(tmp, args.tokens)
     paced, paced_url = start_server(tmp, scenario, args.token_rate, "server-paced")
     fast, fast_url = start_server(tmp, scenario, 0, "server-fast")
-    results: dict = {"config": vars(args), "columns": {c: {} for c in COLUMNS + DIALECT_COLUMNS}}
+    litellm = litellm_bin(install=args.litellm)
+    extra = ("litellm",) if litellm is not None and not args.smoke else ()
+    if litellm is None:
+        print("  no litellm column (scripts/bench.py --litellm installs it)", file=sys.stderr)
+    columns = {c: {} for c in COLUMNS + DIALECT_COLUMNS + extra}
+    results: dict = {"config": vars(args), "columns": columns}
     cols = results["columns"]
     try:
-        ts = targets(tmp, paced_url, confdir, ssl_ctx, "paced")
+        ts = targets(tmp, paced_url, confdir, ssl_ctx, "paced", extra)
         try:
             for conc, rounds in ((1, args.calls1), (32, args.calls32)):
                 runs = asyncio.run(interleaved(ts, conc, rounds))
@@ -394,14 +464,16 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
             for t in ts.values():
                 if t.child is not None:
                     t.child.stop()
-        for column in COLUMNS:  # throughput and CPU: one column at a time, they compete for CPU
+        for column in COLUMNS + extra:  # throughput and CPU: one column at a time (CPU)
             [t] = [t for c, t in targets_for(tmp, column, fast_url, confdir, ssl_ctx)]
             try:
                 loop = asyncio.new_event_loop()
-                loop.run_until_complete(drive(column, t.url, t.proxy, t.ssl, 4, 2, None, None))
+                loop.run_until_complete(
+                    drive(column, t.url, t.proxy, t.ssl, 4, 2, None, None, t.key)
+                )
                 cpu_of = t.child.cpu_seconds if t.child else None
                 run = loop.run_until_complete(
-                    drive(column, t.url, t.proxy, t.ssl, 32, None, args.seconds, cpu_of)
+                    drive(column, t.url, t.proxy, t.ssl, 32, None, args.seconds, cpu_of, t.key)
                 )
                 cols[column]["throughput"] = summarize(run)
                 if t.child is not None:
@@ -424,10 +496,16 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     return results
 
 
-def targets_for(tmp, column, upstream, confdir, ssl_ctx) -> list[tuple[str, Target]]:
+def targets_for(
+    tmp, column, upstream, confdir, ssl_ctx, mode: str = "fast"
+) -> list[tuple[str, Target]]:
     if column == "direct":
         return [(column, Target(upstream + "/v1/chat/completions", None, False))]
-    child, port = start_proxy(tmp, column, upstream, confdir, name=f"{column}-fast")
+    if column == "litellm":  # a gateway at a base URL, not an HTTPS proxy
+        child, port = start_litellm(tmp, upstream, f"litellm-{mode}")
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        return [(column, Target(url, None, False, child, key=LITELLM_KEY))]
+    child, port = start_proxy(tmp, column, upstream, confdir, name=f"{column}-{mode}")
     return [(column, Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child))]
 
 
@@ -509,12 +587,22 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
     def ratio(x: float, y: float) -> str:
         return f"{x / y:.2f}" if y and y == y and x == x else "n/a"
 
+    lite = cols.get("litellm") or {}
+
+    def and_litellm(value: Callable[[dict], float]) -> str:
+        """The LiteLLM gateway's figure, when the column ran (a harness's base URL -> LiteLLM)."""
+        try:
+            return f" / litellm {value(lite):.1f}"
+        except (KeyError, TypeError):
+            return ""
+
     for conc in ("c1", "c32"):
         rows.append(
             (
                 f"TTFB p50 ms ({conc[1:]} conc)",
                 f"{p[conc]['ttfb_ms_p50']:.1f}",
-                f"stream {s[conc]['ttfb_ms_p50']:.1f} / buffered {b[conc]['ttfb_ms_p50']:.1f} / direct {d[conc]['ttfb_ms_p50']:.1f}",
+                f"stream {s[conc]['ttfb_ms_p50']:.1f} / buffered {b[conc]['ttfb_ms_p50']:.1f} / direct {d[conc]['ttfb_ms_p50']:.1f}"
+                + and_litellm(lambda c, conc=conc: c[conc]["ttfb_ms_p50"]),
                 ratio(p[conc]["ttfb_ms_p50"], s[conc]["ttfb_ms_p50"]),
             )
         )
@@ -523,7 +611,8 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
                 (
                     f"added latency {q} ms ({conc[1:]} conc)",
                     f"{added(p, d, conc, q):.1f}",
-                    f"stream {added(s, d, conc, q):.1f} / buffered {added(b, d, conc, q):.1f}",
+                    f"stream {added(s, d, conc, q):.1f} / buffered {added(b, d, conc, q):.1f}"
+                    + and_litellm(lambda c, conc=conc, q=q: added(c, d, conc, q)),
                     ratio(added(p, d, conc, q), added(s, d, conc, q)),
                 )
             )
@@ -544,7 +633,8 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
         (
             "calls/s (32 conc, fast upstream)",
             f"{p['throughput']['calls_per_s']:.1f}",
-            f"stream {s['throughput']['calls_per_s']:.1f} / buffered {b['throughput']['calls_per_s']:.1f} / direct {d['throughput']['calls_per_s']:.1f}",
+            f"stream {s['throughput']['calls_per_s']:.1f} / buffered {b['throughput']['calls_per_s']:.1f} / direct {d['throughput']['calls_per_s']:.1f}"
+            + and_litellm(lambda c: c["throughput"]["calls_per_s"]),
             ratio(p["throughput"]["calls_per_s"], s["throughput"]["calls_per_s"]),
         )
     )
@@ -552,7 +642,8 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
         (
             "proxy CPU-s per 1k calls",
             f"{p['throughput']['cpu_s_per_1k_calls']:.1f}",
-            f"stream {s['throughput']['cpu_s_per_1k_calls']:.1f} / buffered {b['throughput']['cpu_s_per_1k_calls']:.1f}",
+            f"stream {s['throughput']['cpu_s_per_1k_calls']:.1f} / buffered {b['throughput']['cpu_s_per_1k_calls']:.1f}"
+            + and_litellm(lambda c: c["throughput"]["cpu_s_per_1k_calls"]),
             ratio(p["throughput"]["cpu_s_per_1k_calls"], s["throughput"]["cpu_s_per_1k_calls"]),
         )
     )
@@ -587,11 +678,12 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    names = [c for c in results["columns"] if "c1" in results["columns"][c]]
     for ax, conc in zip(axes, ("c1", "c32"), strict=True):
-        data = [results["columns"][c][conc]["ttlb_ms"] or [0] for c in COLUMNS]
+        data = [results["columns"][c][conc]["ttlb_ms"] or [0] for c in names]
         ax.boxplot(data, showfliers=True)
-        ax.set_xticks(range(1, len(COLUMNS) + 1), COLUMNS, rotation=15)
+        ax.set_xticks(range(1, len(names) + 1), names, rotation=25, fontsize=8)
         ax.set_ylabel("time to last byte (ms)")
         ax.set_title(f"{conc[1:]} concurrent session(s), paced upstream")
     fig.tight_layout()
@@ -611,6 +703,12 @@ def main() -> int:
         "--token-rate", type=float, default=30.0, help="paced upstream tokens/s per stream"
     )
     ap.add_argument("--tokens", type=int, default=None, help="tokens per reply")
+    ap.add_argument(
+        "--litellm",
+        action="store_true",
+        help=f"install LiteLLM's proxy ({LITELLM_VERSION}, into .venv-litellm) when missing; "
+        "its column is there whenever .venv-litellm is",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
