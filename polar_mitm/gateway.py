@@ -53,6 +53,13 @@ class _WebOutput:
         except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError) as e:
             raise ClientGone() from e
 
+    async def end(self, data: bytes) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write_eof(data)
+        except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError) as e:
+            raise ClientGone() from e
+
     async def send(
         self,
         status: int,

@@ -32,7 +32,7 @@ import json
 import sys
 import uuid
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,7 @@ class Chain:
         "output_offsets",
         "hashes",
         "last_request",
+        "_view",
     )
 
     def __init__(
@@ -130,6 +131,14 @@ class Chain:
         self.output_offsets = array("i")  # where each call's sampled tokens start
         self.hashes: list[int] = []  # hash of the prefix of (i + 1) * BLOCK tokens
         self.last_request: str | None = None  # request JSON of the last call (for breaks)
+        self._view: tuple[str | None, RequestView | None] | None = None  # last_request, parsed
+
+    def request_view(self) -> RequestView | None:
+        """`last_request` parsed (once: a harness's request is often megabytes of JSON, and
+        every break off this chain compares against it)."""
+        if self._view is None or self._view[0] is not self.last_request:
+            self._view = (self.last_request, request_view(self.last_request))
+        return self._view[1]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -206,6 +215,8 @@ class Merger:
         self._end_lengths: dict[int, int] = {}
         self._blocks_all: dict[int, list[Chain]] = {}
         self._blocks_join: dict[int, list[Chain]] = {}
+        # the request just parsed for a break, kept for the chain that call starts or extends
+        self._parsed: tuple[str | None, RequestView | None] | None = None
 
     # -- the one entry point ------------------------------------------------------------------
 
@@ -328,6 +339,9 @@ class Merger:
         chain.logprobs.extend(_aligned(logprobs, k))
         chain.calls.append(facts)
         chain.last_request = request_json
+        parsed, self._parsed = self._parsed, None
+        if parsed is not None and parsed[0] is request_json:
+            chain._view = parsed
         self._hash_blocks(chain)
         self._index_end(chain)
 
@@ -368,12 +382,18 @@ class Merger:
         return best, best_len, hashes
 
     @staticmethod
-    def _best(p: array, candidates: Iterable[Chain], base: int) -> tuple[Chain | None, int]:
+    def _best(p: array, candidates: Sequence[Chain], base: int) -> tuple[Chain | None, int]:
+        """The most recent of the chains sharing the longest prefix with p. Newest first, and
+        done at a chain holding all of p: a rollout that repeats one prompt (retries, GRPO-style
+        samples in one rollout) then costs one comparison per call, not one per chain."""
         best, best_len = None, -1
-        for chain in candidates:
-            n = _lcp(p, chain.tokens, base, min(len(p), len(chain)))
-            if n >= best_len:  # ties: the most recent chain
+        whole = len(p)
+        for chain in reversed(candidates):
+            n = _lcp(p, chain.tokens, base, min(whole, len(chain)))
+            if n > best_len:  # ties: the most recent chain, seen first
                 best, best_len = chain, n
+                if n == whole:
+                    break
         return best, max(best_len, 0)
 
     def _evidence(
@@ -394,7 +414,8 @@ class Merger:
         mine: RequestView | None = None
         theirs: RequestView | None = None
         if has_chains and not is_side(purpose):
-            mine, theirs = request_view(request_json), request_view(parent.last_request)
+            mine, theirs = request_view(request_json), parent.request_view()
+            self._parsed = (request_json, mine)  # the new chain's view, once it has this call
         both = mine is not None and theirs is not None
         evidence = BreakEvidence(
             purpose=purpose or "main",

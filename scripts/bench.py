@@ -53,6 +53,17 @@ COLUMNS = ("direct", "mitm-stream", "mitm-buffered", "polar-mitm")
 # The other harness dialects, through the same polar-mitm proxy (latency only: the floors and the
 # server speak chat completions alone, so their yardstick is polar-mitm's own chat column).
 DIALECT_COLUMNS = ("polar-mitm/responses", "polar-mitm/messages")
+# Rollouts end this long after their last call, as a farm's end when their reward is posted: the
+# proxy then writes their traces during the run, and keeps no trajectories of finished rollouts.
+ROLLOUT_IDLE_S = 1
+
+
+def progress(message: str) -> None:
+    """One line on stderr, with the seconds since the start (the run takes minutes)."""
+    print(f"  [{time.monotonic() - STARTED:4.0f}s] {message}", file=sys.stderr, flush=True)
+
+
+STARTED = time.monotonic()
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -111,19 +122,20 @@ def litellm_bin(install: bool) -> Path | None:
     `install`, set it up from PyPI (about 2 minutes) when missing."""
     exe = LITELLM_VENV / "bin" / "litellm"
     if not exe.exists() and install:
-        print(
-            f"  installing litellm[proxy]=={LITELLM_VERSION} into {LITELLM_VENV}", file=sys.stderr
-        )
+        progress(f"installing litellm[proxy]=={LITELLM_VERSION} into {LITELLM_VENV}")
         subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-        subprocess.run(
+        pip = subprocess.run(
             [
                 str(LITELLM_VENV / "bin" / "pip"),
                 "install",
                 "-q",
                 f"litellm[proxy]=={LITELLM_VERSION}",
             ],
-            check=True,
+            capture_output=True,
+            text=True,
         )
+        if pip.returncode != 0:  # pip's own words, without the index warnings before them
+            sys.exit(f"bench.py: installing LiteLLM failed:\n{pip.stderr[-3000:]}")
     return exe if exe.exists() else None
 
 
@@ -196,6 +208,7 @@ def start_proxy(
         "connection_strategy=lazy",
     ]
     if column == "polar-mitm":
+        options = {"polar_rollout_idle": str(ROLLOUT_IDLE_S), **(options or {})}
         args += [
             "-s",
             str(ROOT / "addons" / "polar.py"),
@@ -204,7 +217,7 @@ def start_proxy(
             "--set",
             f"polar_output={tmp / ((name or column) + '-data')}",
         ]
-        for key, value in (options or {}).items():
+        for key, value in options.items():
             args += ["--set", f"{key}={value}"]
         ready = r"polar-mitm: capturing"
     else:
@@ -328,6 +341,7 @@ async def drive(
     seconds: float | None,
     cpu_of: Callable[[], float] | None,
     key: str | None = None,
+    tag: str = "bench",
 ) -> Run:
     """`sessions` concurrent harness sessions (one keep-alive connection each), each making calls
     back to back, until `calls` per session or `seconds` of wall time."""
@@ -345,7 +359,7 @@ async def drive(
             while (calls is None or n < calls) and (
                 deadline is None or time.perf_counter() < deadline
             ):
-                sample = await one_call(s, url, proxy, ssl_ctx, f"bench-{column}.{i}", key=key)
+                sample = await one_call(s, url, proxy, ssl_ctx, f"{tag}-{column}.{i}", key=key)
                 run.samples.append(sample)
                 run.errors += not sample.ok
                 n += 1
@@ -448,7 +462,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     litellm = litellm_bin(install=args.litellm)
     extra = ("litellm",) if litellm is not None and not args.smoke else ()
     if litellm is None:
-        print("  no litellm column (scripts/bench.py --litellm installs it)", file=sys.stderr)
+        progress("no litellm column (scripts/bench.py --litellm installs it)")
     columns = {c: {} for c in COLUMNS + DIALECT_COLUMNS + extra}
     results: dict = {"config": vars(args), "columns": columns}
     cols = results["columns"]
@@ -459,7 +473,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
                 runs = asyncio.run(interleaved(ts, conc, rounds))
                 for column, run in runs.items():
                     cols[column][f"c{conc}"] = summarize(run)
-                print(f"  latency at {conc} concurrent: done", file=sys.stderr)
+                progress(f"latency at {conc} concurrent: done")
         finally:
             for t in ts.values():
                 if t.child is not None:
@@ -488,11 +502,12 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
             finally:
                 if t.child is not None:
                     t.child.stop()
-            print(f"  throughput {column}: done", file=sys.stderr)
+            progress(f"throughput {column}: done")
     finally:
         paced.stop()
         fast.stop()
     results["inprocess"] = inprocess_figures(args)
+    progress("in-process figures (store, merge, fidelity, exact-prefix): done")
     return results
 
 
@@ -510,12 +525,17 @@ def targets_for(
 
 
 def rss_curve(loop, url, proxy, ctx, child: Child, total: int) -> list[tuple[int, float]]:
+    """RSS after every tenth of `total` calls. Each tenth is a new set of 32 rollouts: the earlier
+    ones go idle and end (`polar_rollout_idle`), as a farm's rollouts end, so what is measured
+    is what the proxy keeps per call, not the trajectories of rollouts that are still open."""
     points = [(0, child.rss_mb())]
     step = max(total // 10, 1)
     done = 0
     while done < total:
         loop.run_until_complete(
-            drive("polar-mitm", url, proxy, ctx, 32, max(step // 32, 1), None, None)
+            drive(
+                "polar-mitm", url, proxy, ctx, 32, max(step // 32, 1), None, None, tag=f"rss{done}"
+            )
         )
         done += max(step // 32, 1) * 32
         points.append((done, child.rss_mb()))
@@ -721,10 +741,10 @@ def main() -> int:
         args.token_rate = 200.0
     elif args.quick:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
-            args.tokens or 12,
-            15,
+            args.tokens or 8,
+            12,
             3,
-            8.0,
+            6.0,
             2000,
         )
     else:

@@ -86,7 +86,7 @@ def merge(calls: list[Call], cold: bool, prompts: list | None = None) -> tuple[f
 
 def figures(smoke: bool = False) -> dict:
     """The merge figures for scripts/bench.py: time(2N)/time(N) and peak memory per rollout."""
-    turns, repeat = (10, 2) if smoke else (100, 5)
+    turns, repeat = (10, 2) if smoke else (100, 9)
     times, peak = {}, 0
     for n in (turns, 2 * turns):
         calls = build(n, 2000, 150, 100, 0, False)

@@ -26,12 +26,19 @@ RUN_SHELL = {
 TOOL_OUTPUTS = {"cat notes.txt": "alpha\nbeta\ngamma\n", "wc -l notes.txt": "3 notes.txt"}
 
 
-def http_client(mitm: Mitm, user: str | None = None, password: str = "pw", **kw: Any) -> httpx.Client:
+def http_client(
+    mitm: Mitm, user: str | None = None, password: str = "pw", **kw: Any
+) -> httpx.Client:
     return httpx.Client(proxy=mitm.proxy(user, password), verify=str(mitm.ca), timeout=60, **kw)
 
 
-def openai_client(mitm: Mitm, api_key: str = "polar-test.0", user: str | None = None,
-                  password: str = "pw", **headers: str) -> openai.OpenAI:
+def openai_client(
+    mitm: Mitm,
+    api_key: str = "polar-test.0",
+    user: str | None = None,
+    password: str = "pw",
+    **headers: str,
+) -> openai.OpenAI:
     return openai.OpenAI(
         base_url="https://api.openai.com/v1",
         api_key=api_key,
@@ -41,8 +48,9 @@ def openai_client(mitm: Mitm, api_key: str = "polar-test.0", user: str | None = 
     )
 
 
-def run_tool_conversation(client: openai.OpenAI, stream: bool, model: str = "gpt-4.1-mini",
-                          turns: int = 3) -> tuple[list[list[dict]], list[dict]]:
+def run_tool_conversation(
+    client: openai.OpenAI, stream: bool, model: str = "gpt-4.1-mini", turns: int = 3
+) -> tuple[list[list[dict]], list[dict]]:
     """Drive the scripted tool loop; returns the messages sent on each call and each reply."""
     messages: list[dict] = [
         {"role": "system", "content": "You are a coding agent. Use run_shell."},
@@ -54,7 +62,9 @@ def run_tool_conversation(client: openai.OpenAI, stream: bool, model: str = "gpt
         if stream:
             reply = _streamed_reply(client, messages, model)
         else:
-            completion = client.chat.completions.create(model=model, messages=messages, tools=[RUN_SHELL])
+            completion = client.chat.completions.create(
+                model=model, messages=messages, tools=[RUN_SHELL]
+            )
             assert completion.model == model
             assert "prompt_token_ids" not in (completion.model_extra or {})
             choice = completion.choices[0]
@@ -66,12 +76,15 @@ def run_tool_conversation(client: openai.OpenAI, stream: bool, model: str = "gpt
         assistant = {"role": "assistant", "content": reply.get("content")}
         if reply.get("tool_calls"):
             assistant["tool_calls"] = [
-                {"id": c["id"], "type": "function", "function": c["function"]} for c in reply["tool_calls"]
+                {"id": c["id"], "type": "function", "function": c["function"]}
+                for c in reply["tool_calls"]
             ]
         messages.append(assistant)
         for call in reply.get("tool_calls") or ():
             cmd = json.loads(call["function"]["arguments"])["cmd"]
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": TOOL_OUTPUTS[cmd]})
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": TOOL_OUTPUTS[cmd]}
+            )
         if not reply.get("tool_calls"):
             break
     return sent, replies
@@ -79,7 +92,9 @@ def run_tool_conversation(client: openai.OpenAI, stream: bool, model: str = "gpt
 
 def _streamed_reply(client: openai.OpenAI, messages: list[dict], model: str) -> dict:
     content, reasoning, calls, finish = [], [], {}, None
-    stream = client.chat.completions.create(model=model, messages=messages, tools=[RUN_SHELL], stream=True)
+    stream = client.chat.completions.create(
+        model=model, messages=messages, tools=[RUN_SHELL], stream=True
+    )
     for chunk in stream:
         assert chunk.model == model
         assert "prompt_token_ids" not in (chunk.model_extra or {})
@@ -94,8 +109,10 @@ def _streamed_reply(client: openai.OpenAI, messages: list[dict], model: str) -> 
             if extra.get("reasoning"):
                 reasoning.append(extra["reasoning"])
             for tc in delta.tool_calls or ():
-                slot = calls.setdefault(tc.index, {"id": None, "type": "function",
-                                                   "function": {"name": "", "arguments": ""}})
+                slot = calls.setdefault(
+                    tc.index,
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                )
                 if tc.id:
                     slot["id"] = tc.id
                 if tc.function and tc.function.name:
@@ -104,7 +121,11 @@ def _streamed_reply(client: openai.OpenAI, messages: list[dict], model: str) -> 
                     slot["function"]["arguments"] += tc.function.arguments
             if choice.finish_reason:
                 finish = choice.finish_reason
-    reply: dict = {"role": "assistant", "content": "".join(content) or None, "finish_reason": finish}
+    reply: dict = {
+        "role": "assistant",
+        "content": "".join(content) or None,
+        "finish_reason": finish,
+    }
     if reasoning:
         reply["reasoning"] = "".join(reasoning)
     if calls:
@@ -121,7 +142,13 @@ def vllm_messages(messages: list[dict]) -> list[dict]:
             m["content"] = ""
         if m.get("tool_calls"):
             m["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
                 for c in m["tool_calls"]
             ]
         out.append(m)

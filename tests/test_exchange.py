@@ -40,6 +40,9 @@ class RecordingOutput:
     async def write(self, data: bytes) -> None:
         self.body += data
 
+    async def end(self, data: bytes) -> None:
+        self.body += data
+
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self.started, self.status, self.body = True, status, body
 

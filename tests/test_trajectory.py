@@ -201,6 +201,25 @@ def test_retry_of_an_earlier_prompt():
     assert placed.prefix_len == len(SYSTEM) + 3
 
 
+@pytest.mark.parametrize("prompt", [USER, SYSTEM + USER], ids=["short", "hashed-blocks"])
+def test_a_repeated_prompt_costs_one_comparison_and_names_the_newest_chain(monkeypatch, prompt):
+    """A rollout that sends one prompt again and again (retries, samples) gets a chain per call;
+    the newest is the parent, found without comparing the prompt against every older chain."""
+    from polar_mitm import trajectory
+
+    m = Merger()
+    placed = [m.add(prompt, [i, EOT]) for i in range(1, 41)]
+    assert len(m.chains) == 40
+    assert all(p.parent_trace_id == q.trace_id for p, q in zip(placed[1:], placed))
+    compared = []
+    real = trajectory._lcp
+    monkeypatch.setattr(trajectory, "_lcp", lambda *a: compared.append(1) or real(*a))
+    last = m.add(prompt, [77, EOT])
+    assert last.break_reason == "retry" and last.parent_trace_id == placed[-1].trace_id
+    assert last.prefix_len == len(prompt)
+    assert len(compared) <= 2, f"{len(compared)} chains compared for one call"
+
+
 def test_classify_break_order():
     e = BreakEvidence(prompt_len=10, lcp=4, parent_len=8, system_changed=True, history="kept")
     assert classify_break(e) == "sub_agent"
