@@ -742,7 +742,7 @@ def main() -> int:
     elif args.quick:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
             args.tokens or 8,
-            12,
+            10,
             3,
             6.0,
             2000,
