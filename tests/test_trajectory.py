@@ -210,7 +210,9 @@ def test_a_repeated_prompt_costs_one_comparison_and_names_the_newest_chain(monke
     m = Merger()
     placed = [m.add(prompt, [i, EOT]) for i in range(1, 41)]
     assert len(m.chains) == 40
-    assert all(p.parent_trace_id == q.trace_id for p, q in zip(placed[1:], placed))
+    assert all(
+        p.parent_trace_id == q.trace_id for p, q in zip(placed[1:], placed[:-1], strict=True)
+    )
     compared = []
     real = trajectory._lcp
     monkeypatch.setattr(trajectory, "_lcp", lambda *a: compared.append(1) or real(*a))
