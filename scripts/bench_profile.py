@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Where the proxy's time goes: py-spy samples polar-mitm's event loop under scripts/bench.py's
+throughput load (32 concurrent streaming chat calls, upstream as fast as it goes).
+
+    .venv/bin/pip install py-spy      # not a test dependency
+    .venv/bin/python scripts/bench_profile.py [--seconds 12] [--tokens 8] [--raw out.txt]
+
+Prints the share of the main thread's samples (the event loop, where every call's work runs)
+spent inside each part of the capture path, and the calls/s reached while sampling (lower than
+scripts/bench.py's: py-spy itself takes a share of the 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import shutil
+import ssl
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench  # noqa: E402
+
+# What each share means (function names as py-spy reports them).
+PARTS = {
+    "the whole gateway: one captured call, upstream request to last byte": "Gateway._handle",
+    "  relaying the stream (parse, capture, translate, write)": "Call._relay_stream",
+    "    decoding each upstream chunk (JSON)": "_json_chunk",
+    "    the harness's chunk (dialect translation, JSON)": "_ChatStream.chunk",
+    "    finishing the call (record, merge, checks, journal hand-off)": "Call._complete",
+    "  opening the upstream request (aiohttp client)": "_BaseRequestContextManager.__aenter__",
+    "the request hook (parse the harness's body, record, reroute)": "CaptureAddon.request",
+    "mitmproxy's hooks (every addon's, the request hook above included)": (
+        "AddonManager.trigger_event"
+    ),
+}
+
+
+def shares(raw: Path) -> tuple[int, dict[str, float]]:
+    """Main-thread samples, and the share of them under each function of PARTS."""
+    main = 0
+    under: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not frames[0].startswith("<module>"):  # worker threads: journal, shards, checks
+            continue
+        n = int(count)
+        main += n
+        names = {f.split(" (")[0] for f in frames}
+        for fn in PARTS.values():
+            if fn in names:
+                under[fn] += n
+    return main, {fn: under[fn] / main if main else 0.0 for fn in PARTS.values()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--tokens", type=int, default=8, help="tokens per reply")
+    ap.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw samples here")
+    args = ap.parse_args()
+    spy = shutil.which("py-spy", path=str(bench.BIN)) or shutil.which("py-spy")
+    if spy is None:
+        sys.exit("bench_profile.py: py-spy is not installed (.venv/bin/pip install py-spy)")
+    with tempfile.TemporaryDirectory(prefix="polar-profile-") as d:
+        tmp = Path(d)
+        from polar_mitm.certs import ensure_ca
+
+        ctx = ssl.create_default_context(cafile=str(ensure_ca(tmp / "certs")))
+        server, url = bench.start_server(tmp, bench.write_scenario(tmp, args.tokens), 0, "server")
+        proxy, port = bench.start_proxy(tmp, "polar-mitm", url, tmp / "certs")
+        raw = args.raw or tmp / "samples.txt"
+        try:
+            loop = asyncio.new_event_loop()
+            via = f"http://127.0.0.1:{port}"
+            loop.run_until_complete(bench.drive("p", bench.URL, via, ctx, 4, 2, None, None))
+            sampler = subprocess.Popen(
+                [spy, "record", "-p", str(proxy.proc.pid), "-f", "raw", "-o", str(raw)]
+                + ["-r", "200", "-d", str(int(args.seconds))],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            run = loop.run_until_complete(
+                bench.drive("p", bench.URL, via, ctx, 32, None, args.seconds, None)
+            )
+            if sampler.wait() != 0:
+                sys.exit(f"bench_profile.py: py-spy failed: {sampler.stderr.read()[-2000:]}")
+            loop.close()
+        finally:
+            proxy.stop()
+            server.stop()
+        total, part = shares(raw)
+    print(f"{run.ok / run.wall:.0f} calls/s while sampling; {total} main-thread samples")
+    for label, fn in PARTS.items():
+        print(f"{100 * part[fn]:5.1f} %  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
