@@ -64,7 +64,7 @@ class Output(Protocol):
     async def write(self, data: bytes) -> None: ...
 
     async def end(self, data: bytes) -> None:
-        """Write the last bytes and end the body in one write (one less hop per call)."""
+        """Write the last bytes and end the body, in one write rather than two."""
         ...
 
     async def send(

@@ -21,6 +21,9 @@ from .exchange import Call, ClientGone
 
 log = logging.getLogger(__name__)
 PATH_PREFIX = "/polar-call/"
+# What a write to the harness raises once it has left (aiohttp: RuntimeError after the transport
+# closed). Caught inline in each write: the per-chunk path pays no extra call for it.
+_HARNESS_GONE = (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError)
 
 
 class _WebOutput:
@@ -50,14 +53,14 @@ class _WebOutput:
         assert self.response is not None
         try:
             await self.response.write(data)
-        except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError) as e:
+        except _HARNESS_GONE as e:
             raise ClientGone() from e
 
     async def end(self, data: bytes) -> None:
         assert self.response is not None
         try:
             await self.response.write_eof(data)
-        except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError) as e:
+        except _HARNESS_GONE as e:
             raise ClientGone() from e
 
     async def send(
@@ -135,6 +138,6 @@ class Gateway:
             return out.response
         try:
             await out.response.write_eof()
-        except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
+        except _HARNESS_GONE:
             pass
         return out.response

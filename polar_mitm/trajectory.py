@@ -52,6 +52,8 @@ TAIL = 8  # tokens of a chain's end in the join index key
 BLOCK = 256  # tokens per hashed prefix block
 _SEED = 0x9E3779B97F4A7C15
 _POLICY = b"\x01"
+# A request body parsed for break evidence: (view,) once parsed (the view may be None), None before.
+Parsed = tuple[RequestView | None] | None
 
 ALLOW_CHOICES = ("policy_mixed", "call_error")
 
@@ -131,14 +133,14 @@ class Chain:
         self.output_offsets = array("i")  # where each call's sampled tokens start
         self.hashes: list[int] = []  # hash of the prefix of (i + 1) * BLOCK tokens
         self.last_request: str | None = None  # request JSON of the last call (for breaks)
-        self._view: tuple[str | None, RequestView | None] | None = None  # last_request, parsed
+        self._view: Parsed = None  # last_request parsed; set again with it by Merger._append
 
     def request_view(self) -> RequestView | None:
         """`last_request` parsed (once: a harness's request is often megabytes of JSON, and
         every break off this chain compares against it)."""
-        if self._view is None or self._view[0] is not self.last_request:
-            self._view = (self.last_request, request_view(self.last_request))
-        return self._view[1]
+        if self._view is None:
+            self._view = (request_view(self.last_request),)
+        return self._view[0]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -215,8 +217,6 @@ class Merger:
         self._end_lengths: dict[int, int] = {}
         self._blocks_all: dict[int, list[Chain]] = {}
         self._blocks_join: dict[int, list[Chain]] = {}
-        # the request just parsed for a break, kept for the chain that call starts or extends
-        self._parsed: tuple[str | None, RequestView | None] | None = None
 
     # -- the one entry point ------------------------------------------------------------------
 
@@ -244,7 +244,9 @@ class Merger:
                 return Placement(chain.trace_id, True, None, None, start, len(p) - start, len(out))
         parent, lcp, hashes = self._longest_common(p, joinable=not side)
         has_chains = any(c.role != "side" for c in self.chains)
-        evidence, diverged_call = self._evidence(parent, lcp, p, purpose, has_chains, request_json)
+        evidence, diverged_call, parsed = self._evidence(
+            parent, lcp, p, purpose, has_chains, request_json
+        )
         reason = classify_break(evidence)
         if reason == FIRST_CALL:
             parent, lcp = None, 0
@@ -268,7 +270,7 @@ class Merger:
             if role != "side":
                 self._blocks_join.setdefault(h, []).append(chain)
         self.chains.append(chain)
-        self._append(chain, p, 0, out, logprobs, facts, request_json)
+        self._append(chain, p, 0, out, logprobs, facts, request_json, parsed)
         return Placement(
             chain.trace_id,
             False,
@@ -326,6 +328,7 @@ class Merger:
         logprobs: Sequence[float],
         facts: CallFacts,
         request_json: str | None,
+        parsed: Parsed = None,
     ) -> None:
         env = len(p) - start
         chain.call_offsets.append(len(chain))
@@ -338,10 +341,7 @@ class Merger:
         chain.mask.frombytes(_POLICY * k)
         chain.logprobs.extend(_aligned(logprobs, k))
         chain.calls.append(facts)
-        chain.last_request = request_json
-        parsed, self._parsed = self._parsed, None
-        if parsed is not None and parsed[0] is request_json:
-            chain._view = parsed
+        chain.last_request, chain._view = request_json, parsed
         self._hash_blocks(chain)
         self._index_end(chain)
 
@@ -404,18 +404,22 @@ class Merger:
         purpose: str | None,
         has_chains: bool,
         request_json: str | None,
-    ) -> tuple[BreakEvidence, str | None]:
+    ) -> tuple[BreakEvidence, str | None, Parsed]:
+        """The break's evidence, the call it diverged in, and this call's request if parsed."""
         if parent is None:
-            return BreakEvidence(
-                purpose=purpose or "main", has_chains=has_chains, prompt_len=len(p)
-            ), None
+            return (
+                BreakEvidence(purpose=purpose or "main", has_chains=has_chains, prompt_len=len(p)),
+                None,
+                None,
+            )
         index, where = parent.locate(lcp)
         diverged_call = parent.calls[index].call_id if parent.calls else None
         mine: RequestView | None = None
         theirs: RequestView | None = None
+        parsed: Parsed = None
         if has_chains and not is_side(purpose):
             mine, theirs = request_view(request_json), parent.request_view()
-            self._parsed = (request_json, mine)  # the new chain's view, once it has this call
+            parsed = (mine,)
         both = mine is not None and theirs is not None
         evidence = BreakEvidence(
             purpose=purpose or "main",
@@ -434,7 +438,7 @@ class Merger:
             if both
             else None,
         )
-        return evidence, diverged_call
+        return evidence, diverged_call, parsed
 
 
 def _role(reason: str, parent: Chain | None) -> str:

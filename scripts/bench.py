@@ -53,9 +53,10 @@ COLUMNS = ("direct", "mitm-stream", "mitm-buffered", "polar-mitm")
 # The other harness dialects, through the same polar-mitm proxy (latency only: the floors and the
 # server speak chat completions alone, so their yardstick is polar-mitm's own chat column).
 DIALECT_COLUMNS = ("polar-mitm/responses", "polar-mitm/messages")
-# Rollouts end this long after their last call, as a farm's end when their reward is posted: the
-# proxy then writes their traces during the run, and keeps no trajectories of finished rollouts.
-ROLLOUT_IDLE_S = 1
+# The polar-mitm column's own settings: rollouts end 1 s after their last call, as a farm's end
+# when their reward is posted, so the proxy writes their traces during the run and keeps no
+# trajectories of finished rollouts (the other benchmarks' proxies keep their rollouts open).
+POLAR_OPTIONS = {"polar_rollout_idle": "1"}
 
 
 def progress(message: str) -> None:
@@ -208,7 +209,6 @@ def start_proxy(
         "connection_strategy=lazy",
     ]
     if column == "polar-mitm":
-        options = {"polar_rollout_idle": str(ROLLOUT_IDLE_S), **(options or {})}
         args += [
             "-s",
             str(ROOT / "addons" / "polar.py"),
@@ -217,7 +217,7 @@ def start_proxy(
             "--set",
             f"polar_output={tmp / ((name or column) + '-data')}",
         ]
-        for key, value in options.items():
+        for key, value in (options or {}).items():
             args += ["--set", f"{key}={value}"]
         ready = r"polar-mitm: capturing"
     else:
@@ -405,7 +405,9 @@ def targets(
 ) -> dict:
     out = {"direct": Target(upstream + "/v1/chat/completions", None, False)}
     for column in COLUMNS[1:]:
-        child, port = start_proxy(tmp, column, upstream, confdir, name=f"{column}-{mode}")
+        child, port = start_proxy(
+            tmp, column, upstream, confdir, name=f"{column}-{mode}", options=POLAR_OPTIONS
+        )
         out[column] = Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
     polar = out["polar-mitm"]
     for column, (url, body, done) in DIALECT_CALLS.items():
@@ -520,7 +522,9 @@ def targets_for(
         child, port = start_litellm(tmp, upstream, f"litellm-{mode}")
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         return [(column, Target(url, None, False, child, key=LITELLM_KEY))]
-    child, port = start_proxy(tmp, column, upstream, confdir, name=f"{column}-{mode}")
+    child, port = start_proxy(
+        tmp, column, upstream, confdir, name=f"{column}-{mode}", options=POLAR_OPTIONS
+    )
     return [(column, Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child))]
 
 

@@ -74,7 +74,9 @@ def main() -> int:
 
         ctx = ssl.create_default_context(cafile=str(ensure_ca(tmp / "certs")))
         server, url = bench.start_server(tmp, bench.write_scenario(tmp, args.tokens), 0, "server")
-        proxy, port = bench.start_proxy(tmp, "polar-mitm", url, tmp / "certs")
+        proxy, port = bench.start_proxy(
+            tmp, "polar-mitm", url, tmp / "certs", options=bench.POLAR_OPTIONS
+        )
         raw = args.raw or tmp / "samples.txt"
         try:
             loop = asyncio.new_event_loop()

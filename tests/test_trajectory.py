@@ -222,6 +222,27 @@ def test_a_repeated_prompt_costs_one_comparison_and_names_the_newest_chain(monke
     assert len(compared) <= 2, f"{len(compared)} chains compared for one call"
 
 
+def test_a_break_parses_only_its_own_request_once_the_parent_was_parsed(monkeypatch):
+    """Break evidence compares this call's request with its parent's last one; each request
+    body (often megabytes) is parsed once, and the new chain keeps its parsed view."""
+    from polar_mitm import trajectory
+
+    parsed = []
+    real = trajectory.request_view
+    monkeypatch.setattr(trajectory, "request_view", lambda j: parsed.append(j) or real(j))
+    m = Merger()
+    requests = [body("sys", [{"role": "user", "content": f"try {i}"}]) for i in range(4)]
+    m.add(SYSTEM + USER, [1, EOT], request_json=requests[0])
+    assert parsed == []  # a first call has nothing to compare with
+    m.add(SYSTEM + USER, [2, EOT], request_json=requests[1])
+    assert sorted(parsed) == sorted(requests[:2])
+    for i in (2, 3):
+        parsed.clear()
+        placed = m.add(SYSTEM + USER, [i + 1, EOT], request_json=requests[i])
+        assert placed.break_reason == "retry"
+        assert parsed == [requests[i]]
+
+
 def test_classify_break_order():
     e = BreakEvidence(prompt_len=10, lcp=4, parent_len=8, system_changed=True, history="kept")
     assert classify_break(e) == "sub_agent"
