@@ -4,6 +4,9 @@ Columns (same client, same upstream, same run):
   direct            client -> reference policy server over loopback HTTP (the physical limit)
   mitm-stream       plain mitmdump with scripts/bench_floor.py: api.openai.com -> server, reply
                     streamed (`flow.response.stream = True`): the floor for any addon that streams
+  capture-floor     mitm-stream plus the least any token-capturing addon must do: ask the server for
+                    token ids and logprobs and JSON-decode every streamed event to read them (the
+                    chunks pass on unchanged): what capture itself costs, whoever implements it
   mitm-buffered     the same, mitmdump's default buffering (the whole generation, then replayed)
   polar-mitm        mitmdump -s addons/polar.py (capture + journal + Parquet shards on)
   litellm           LiteLLM's proxy (a gateway at a base URL, chat path) in front of the same
@@ -49,7 +52,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 URL = "https://api.openai.com/v1/chat/completions"
-COLUMNS = ("direct", "mitm-stream", "mitm-buffered", "polar-mitm")
+COLUMNS = ("direct", "mitm-stream", "mitm-buffered", "polar-mitm", "capture-floor")
 # The other harness dialects, through the same polar-mitm proxy (latency only: the floors and the
 # server speak chat completions alone, so their yardstick is polar-mitm's own chat column).
 DIALECT_COLUMNS = ("polar-mitm/responses", "polar-mitm/messages")
@@ -57,6 +60,10 @@ DIALECT_COLUMNS = ("polar-mitm/responses", "polar-mitm/messages")
 # when their reward is posted, so the proxy writes their traces during the run and keeps no
 # trajectories of finished rollouts (the other benchmarks' proxies keep their rollouts open).
 POLAR_OPTIONS = {"polar_rollout_idle": "1"}
+# A pause before each column's turn in the latency rounds: the previous column's processes finish
+# their own trailing work (a buffering proxy replays 32 replies at once) before the next column's
+# clock starts, so no column pays for its predecessor's.
+SETTLE_S = 0.0
 
 
 def progress(message: str) -> None:
@@ -71,10 +78,19 @@ STARTED = time.monotonic()
 
 
 class Child:
+    """A process of the benchmark; `wait=False` starts it without waiting for `ready` (so that
+    several start at once), and `wait_ready()` waits later."""
+
     def __init__(
-        self, args: list[str], log: Path, ready: str, timeout: float = 90, env: dict | None = None
+        self,
+        args: list[str],
+        log: Path,
+        ready: str,
+        timeout: float = 90,
+        env: dict | None = None,
+        wait: bool = True,
     ) -> None:
-        self.log = log
+        self.log, self.args, self.ready, self.timeout = log, args, ready, timeout
         self._fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             args,
@@ -83,11 +99,16 @@ class Child:
             cwd=ROOT,
             env={**os.environ, **(env or {})},
         )
-        deadline = time.monotonic() + timeout
-        while not re.search(ready, log.read_text(errors="replace")):
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> Child:
+        deadline = time.monotonic() + self.timeout
+        while not re.search(self.ready, self.text()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{args[:3]} did not start:\n{log.read_text(errors='replace')}")
+                raise RuntimeError(f"{self.args[:3]} did not start:\n{self.text()}")
             time.sleep(0.05)
+        return self
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -140,7 +161,7 @@ def litellm_bin(install: bool) -> Path | None:
     return exe if exe.exists() else None
 
 
-def start_litellm(tmp: Path, upstream: str, name: str) -> tuple[Child, int]:
+def start_litellm(tmp: Path, upstream: str, name: str, wait: bool = True) -> tuple[Child, int]:
     """LiteLLM's proxy in front of the reference server: a gateway the harness would point its
     base URL at (chat completions, streaming passed through), offline and on loopback."""
     exe = litellm_bin(install=False)
@@ -159,7 +180,8 @@ def start_litellm(tmp: Path, upstream: str, name: str) -> tuple[Child, int]:
     )
     args = [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
     env = {"LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    return Child(args, tmp / f"{name}.log", r"Application startup complete", 180, env), port
+    log = tmp / f"{name}.log"
+    return Child(args, log, r"Application startup complete", 180, env, wait), port
 
 
 def free_port() -> int:
@@ -171,6 +193,12 @@ def free_port() -> int:
 
 
 def start_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> tuple[Child, str]:
+    child = spawn_server(tmp, scenario, token_rate, name).wait_ready()
+    return child, server_url(child)
+
+
+def spawn_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> Child:
+    """The reference policy server, started without waiting for it (see `server_url`)."""
     args = [
         sys.executable,
         "-m",
@@ -182,9 +210,11 @@ def start_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> tup
         "--token-rate",
         str(token_rate),
     ]
-    child = Child(args, tmp / f"{name}.log", r"listening on http://")
-    url = re.search(r"listening on (http://\S+)", child.text()).group(1)
-    return child, url
+    return Child(args, tmp / f"{name}.log", r"listening on http://", wait=False)
+
+
+def server_url(child: Child) -> str:
+    return re.search(r"listening on (http://\S+)", child.wait_ready().text()).group(1)
 
 
 def start_proxy(
@@ -194,6 +224,7 @@ def start_proxy(
     confdir: Path,
     name: str | None = None,
     options: dict[str, str] | None = None,
+    wait: bool = True,
 ) -> tuple[Child, int]:
     """mitmdump for one column; `options` are more `--set`s for the polar-mitm column."""
     port = free_port()
@@ -225,9 +256,10 @@ def start_proxy(
         ready = r"proxy listening"
     env = {
         "BENCH_UPSTREAM": upstream,
-        "BENCH_STREAM": "1" if column.startswith("mitm-stream") else "0",
+        "BENCH_STREAM": "1" if column.startswith(("mitm-stream", "capture-floor")) else "0",
+        "BENCH_CAPTURE": "1" if column.startswith("capture-floor") else "0",
     }
-    return Child(args, tmp / f"{name or column}.log", ready, env=env), port
+    return Child(args, tmp / f"{name or column}.log", ready, env=env, wait=wait), port
 
 
 # -- the client ----------------------------------------------------------------------------------
@@ -404,20 +436,20 @@ def targets(
     extra: tuple[str, ...] = (),
 ) -> dict:
     out = {"direct": Target(upstream + "/v1/chat/completions", None, False)}
-    for column in COLUMNS[1:]:
-        child, port = start_proxy(
-            tmp, column, upstream, confdir, name=f"{column}-{mode}", options=POLAR_OPTIONS
-        )
-        out[column] = Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
+    for column in (*COLUMNS[1:], *extra):  # all start at once; then each is waited for
+        [(_, out[column])] = targets_for(tmp, column, upstream, confdir, ssl_ctx, mode, False)
+    for t in out.values():
+        if t.child is not None:
+            t.child.wait_ready()
     polar = out["polar-mitm"]
     for column, (url, body, done) in DIALECT_CALLS.items():
         out[column] = Target(url, polar.proxy, ssl_ctx, None, body, done)  # the same proxy
-    for column in extra:
-        [(_, out[column])] = targets_for(tmp, column, upstream, confdir, ssl_ctx, mode)
     return out
 
 
-async def interleaved(ts: dict[str, Target], sessions: int, rounds: int) -> dict[str, Run]:
+async def interleaved(
+    ts: dict[str, Target], sessions: int, rounds: int, settle: float = SETTLE_S
+) -> dict[str, Run]:
     """Latency, fair across columns: every round makes one call per session on each column in
     turn, so all columns see the same machine load (drift on a shared box is larger than the
     differences measured). Sessions keep their connection across rounds, as harnesses do."""
@@ -434,6 +466,7 @@ async def interleaved(ts: dict[str, Target], sessions: int, rounds: int) -> dict
     try:
         for r in range(rounds + 1):  # round 0 warms up: certificates, connections
             for column, t in ts.items():
+                await asyncio.sleep(settle)
                 samples = await asyncio.gather(
                     *(
                         one_call(
@@ -459,8 +492,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     ca = ensure_ca(confdir)
     ssl_ctx = ssl.create_default_context(cafile=str(ca))
     scenario = write_scenario(tmp, args.tokens)
-    paced, paced_url = start_server(tmp, scenario, args.token_rate, "server-paced")
-    fast, fast_url = start_server(tmp, scenario, 0, "server-fast")
+    paced = spawn_server(tmp, scenario, args.token_rate, "server-paced")
+    fast = spawn_server(tmp, scenario, 0, "server-fast")
+    paced_url, fast_url = server_url(paced), server_url(fast)
     litellm = litellm_bin(install=args.litellm)
     extra = ("litellm",) if litellm is not None and not args.smoke else ()
     if litellm is None:
@@ -514,16 +548,16 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def targets_for(
-    tmp, column, upstream, confdir, ssl_ctx, mode: str = "fast"
+    tmp, column, upstream, confdir, ssl_ctx, mode: str = "fast", wait: bool = True
 ) -> list[tuple[str, Target]]:
     if column == "direct":
         return [(column, Target(upstream + "/v1/chat/completions", None, False))]
     if column == "litellm":  # a gateway at a base URL, not an HTTPS proxy
-        child, port = start_litellm(tmp, upstream, f"litellm-{mode}")
+        child, port = start_litellm(tmp, upstream, f"litellm-{mode}", wait)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         return [(column, Target(url, None, False, child, key=LITELLM_KEY))]
     child, port = start_proxy(
-        tmp, column, upstream, confdir, name=f"{column}-{mode}", options=POLAR_OPTIONS
+        tmp, column, upstream, confdir, name=f"{column}-{mode}", options=POLAR_OPTIONS, wait=wait
     )
     return [(column, Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child))]
 
@@ -603,13 +637,18 @@ def added(col: dict, direct: dict, key: str, p: str) -> float:
     return col[key][f"ttlb_ms_{p}"] - direct[key][f"ttlb_ms_{p}"]
 
 
-def report(results: dict) -> list[tuple[str, str, str, str]]:
+def report(results: dict) -> list[tuple[str, str, str, str, str]]:
     cols = results["columns"]
-    d, s, b, p = (cols[c] for c in COLUMNS)
-    rows: list[tuple[str, str, str, str]] = []
+    d, s, b, p, f = (cols[c] for c in COLUMNS)
+    rows: list[tuple[str, str, str, str, str]] = []
 
     def ratio(x: float, y: float) -> str:
         return f"{x / y:.2f}" if y and y == y and x == x else "n/a"
+
+    def ratios(x: float, floor: float, stream: float) -> str:
+        """polar-mitm over the capture floor, and (in brackets) the capture floor over stream:
+        how much of polar-mitm's ratio to mitm-stream is the price of capture itself."""
+        return f"{ratio(x, floor)} ({ratio(floor, stream)})"
 
     lite = cols.get("litellm") or {}
 
@@ -625,9 +664,10 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
             (
                 f"TTFB p50 ms ({conc[1:]} conc)",
                 f"{p[conc]['ttfb_ms_p50']:.1f}",
-                f"stream {s[conc]['ttfb_ms_p50']:.1f} / buffered {b[conc]['ttfb_ms_p50']:.1f} / direct {d[conc]['ttfb_ms_p50']:.1f}"
+                f"stream {s[conc]['ttfb_ms_p50']:.1f} / capture {f[conc]['ttfb_ms_p50']:.1f} / buffered {b[conc]['ttfb_ms_p50']:.1f} / direct {d[conc]['ttfb_ms_p50']:.1f}"
                 + and_litellm(lambda c, conc=conc: c[conc]["ttfb_ms_p50"]),
                 ratio(p[conc]["ttfb_ms_p50"], s[conc]["ttfb_ms_p50"]),
+                ratios(p[conc]["ttfb_ms_p50"], f[conc]["ttfb_ms_p50"], s[conc]["ttfb_ms_p50"]),
             )
         )
         for q in ("p50", "p99"):
@@ -635,9 +675,10 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
                 (
                     f"added latency {q} ms ({conc[1:]} conc)",
                     f"{added(p, d, conc, q):.1f}",
-                    f"stream {added(s, d, conc, q):.1f} / buffered {added(b, d, conc, q):.1f}"
+                    f"stream {added(s, d, conc, q):.1f} / capture {added(f, d, conc, q):.1f} / buffered {added(b, d, conc, q):.1f}"
                     + and_litellm(lambda c, conc=conc, q=q: added(c, d, conc, q)),
                     ratio(added(p, d, conc, q), added(s, d, conc, q)),
+                    ratios(added(p, d, conc, q), added(f, d, conc, q), added(s, d, conc, q)),
                 )
             )
     for column in DIALECT_COLUMNS:
@@ -651,24 +692,35 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
                     f"{x[conc]['ttlb_ms_p50']:.1f}",
                     f"polar-mitm chat {p[conc]['ttlb_ms_p50']:.1f} (TTFB {x[conc]['ttfb_ms_p50']:.1f} vs {p[conc]['ttfb_ms_p50']:.1f})",
                     ratio(x[conc]["ttlb_ms_p50"], p[conc]["ttlb_ms_p50"]),
+                    "",
                 )
             )
     rows.append(
         (
             "calls/s (32 conc, fast upstream)",
             f"{p['throughput']['calls_per_s']:.1f}",
-            f"stream {s['throughput']['calls_per_s']:.1f} / buffered {b['throughput']['calls_per_s']:.1f} / direct {d['throughput']['calls_per_s']:.1f}"
+            f"stream {s['throughput']['calls_per_s']:.1f} / capture {f['throughput']['calls_per_s']:.1f} / buffered {b['throughput']['calls_per_s']:.1f} / direct {d['throughput']['calls_per_s']:.1f}"
             + and_litellm(lambda c: c["throughput"]["calls_per_s"]),
             ratio(p["throughput"]["calls_per_s"], s["throughput"]["calls_per_s"]),
+            ratios(
+                p["throughput"]["calls_per_s"],
+                f["throughput"]["calls_per_s"],
+                s["throughput"]["calls_per_s"],
+            ),
         )
     )
     rows.append(
         (
             "proxy CPU-s per 1k calls",
             f"{p['throughput']['cpu_s_per_1k_calls']:.1f}",
-            f"stream {s['throughput']['cpu_s_per_1k_calls']:.1f} / buffered {b['throughput']['cpu_s_per_1k_calls']:.1f}"
+            f"stream {s['throughput']['cpu_s_per_1k_calls']:.1f} / capture {f['throughput']['cpu_s_per_1k_calls']:.1f} / buffered {b['throughput']['cpu_s_per_1k_calls']:.1f}"
             + and_litellm(lambda c: c["throughput"]["cpu_s_per_1k_calls"]),
             ratio(p["throughput"]["cpu_s_per_1k_calls"], s["throughput"]["cpu_s_per_1k_calls"]),
+            ratios(
+                p["throughput"]["cpu_s_per_1k_calls"],
+                f["throughput"]["cpu_s_per_1k_calls"],
+                s["throughput"]["cpu_s_per_1k_calls"],
+            ),
         )
     )
     if p.get("rss"):
@@ -679,19 +731,20 @@ def report(results: dict) -> list[tuple[str, str, str, str]]:
                 f"{first:.0f} -> {last:.0f}",
                 "",
                 ratio(last, first),
+                "",
             )
         )
     for key, value in results["inprocess"].items():
-        rows.append((key, f"{value:.2f}" if isinstance(value, float) else str(value), "", ""))
+        rows.append((key, f"{value:.2f}" if isinstance(value, float) else str(value), "", "", ""))
     return rows
 
 
-def print_table(rows: list[tuple[str, str, str, str]]) -> None:
-    widths = [
-        max(len(r[i]) for r in rows + [("figure", "polar-mitm", "floor / others", "ratio")])
-        for i in range(4)
-    ]
-    header = ("figure", "polar-mitm", "floor / others", "ratio")
+HEADER = ("figure", "polar-mitm", "floor / others", "ratio", "vs capture-floor (its ratio)")
+
+
+def print_table(rows: list[tuple[str, str, str, str, str]]) -> None:
+    widths = [max(len(r[i]) for r in [*rows, HEADER]) for i in range(len(HEADER))]
+    header = HEADER
     for row in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
 
@@ -746,10 +799,10 @@ def main() -> int:
     elif args.quick:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
             args.tokens or 8,
-            10,
+            8,
             3,
-            6.0,
-            2000,
+            5.0,
+            1600,
         )
     else:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (

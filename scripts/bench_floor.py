@@ -1,11 +1,17 @@
-"""The floor for any addon, for scripts/bench.py: plain mitmdump plus the least an LLM proxy
+"""The floors for any addon, for scripts/bench.py: plain mitmdump plus the least an LLM proxy
 must do — send api.openai.com to the policy server — and, with BENCH_STREAM=1, stream the
 reply (`flow.response.stream = True`). Without it, mitmdump's default: buffer, then replay.
+
+With BENCH_CAPTURE=1 as well, the least a *token-capturing* addon must do on top: ask the server
+for token ids and logprobs (so every chunk carries them) and JSON-decode each streamed event to
+read them. The chunks go on to the client unchanged (no translation, no stripping, nothing
+written): whatever polar-mitm costs above this column is its own work, not the price of capture.
 
 (map_remote + stream_large_bodies cannot be the floor: with request streaming on, the server
 connection opens at requestheaders time, before map_remote rewrites the URL in `request`.)
 """
 
+import json
 import os
 from urllib.parse import urlsplit
 
@@ -13,6 +19,7 @@ from mitmproxy import http
 
 _UP = urlsplit(os.environ["BENCH_UPSTREAM"])
 _STREAM = os.environ.get("BENCH_STREAM") == "1"
+_CAPTURE = os.environ.get("BENCH_CAPTURE") == "1"
 
 
 def requestheaders(flow: http.HTTPFlow) -> None:
@@ -22,6 +29,37 @@ def requestheaders(flow: http.HTTPFlow) -> None:
         flow.request.port = _UP.port
 
 
+def request(flow: http.HTTPFlow) -> None:
+    if _CAPTURE and flow.request.path.startswith("/v1/chat/completions"):
+        body = json.loads(flow.request.content or b"{}")
+        body.update(return_token_ids=True, logprobs=True, top_logprobs=0)
+        if body.get("stream"):
+            body["stream_options"] = {"include_usage": True}
+        flow.request.content = json.dumps(body).encode()
+
+
+class _ReadIds:
+    """A `flow.response.stream` callable: splits the SSE stream into events, decodes each one
+    and keeps its token ids; passes every byte through as it came."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.ids: list[int] = []
+
+    def __call__(self, data: bytes) -> bytes:
+        events = (self.buffer + data).split(b"\n\n")
+        self.buffer = events.pop()
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices") or ():
+                        self.ids.extend(choice.get("token_ids") or ())
+        return data
+
+
 def responseheaders(flow: http.HTTPFlow) -> None:
-    if _STREAM:
+    if _CAPTURE and flow.response.headers.get("content-type", "").startswith("text/event-stream"):
+        flow.response.stream = _ReadIds()
+    elif _STREAM:
         flow.response.stream = True

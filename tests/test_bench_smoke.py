@@ -28,11 +28,12 @@ def test_bench_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())
-    for column in ("direct", "mitm-stream", "mitm-buffered", "polar-mitm"):
+    for column in ("direct", "mitm-stream", "mitm-buffered", "polar-mitm", "capture-floor"):
         col = results["columns"][column]
         assert col["c1"]["calls"] > 0 and col["throughput"]["calls"] > 0, (column, col)
         assert col["c1"]["ttfb_ms_p50"] > 0
-    assert results["columns"]["polar-mitm"]["throughput"]["cpu_s_per_1k_calls"] > 0
+    for column in ("polar-mitm", "capture-floor"):  # CPU from /proc
+        assert results["columns"][column]["throughput"]["cpu_s_per_1k_calls"] > 0
     for column in ("polar-mitm/responses", "polar-mitm/messages"):  # Codex's and Claude's APIs
         col = results["columns"][column]
         assert col["c1"]["calls"] > 0 and col["c1"]["errors"] == 0, (column, col)
