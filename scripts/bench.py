@@ -60,10 +60,6 @@ DIALECT_COLUMNS = ("polar-mitm/responses", "polar-mitm/messages")
 # when their reward is posted, so the proxy writes their traces during the run and keeps no
 # trajectories of finished rollouts (the other benchmarks' proxies keep their rollouts open).
 POLAR_OPTIONS = {"polar_rollout_idle": "1"}
-# A pause before each column's turn in the latency rounds: the previous column's processes finish
-# their own trailing work (a buffering proxy replays 32 replies at once) before the next column's
-# clock starts, so no column pays for its predecessor's.
-SETTLE_S = 0.0
 
 
 def progress(message: str) -> None:
@@ -447,9 +443,7 @@ def targets(
     return out
 
 
-async def interleaved(
-    ts: dict[str, Target], sessions: int, rounds: int, settle: float = SETTLE_S
-) -> dict[str, Run]:
+async def interleaved(ts: dict[str, Target], sessions: int, rounds: int) -> dict[str, Run]:
     """Latency, fair across columns: every round makes one call per session on each column in
     turn, so all columns see the same machine load (drift on a shared box is larger than the
     differences measured). Sessions keep their connection across rounds, as harnesses do."""
@@ -466,7 +460,6 @@ async def interleaved(
     try:
         for r in range(rounds + 1):  # round 0 warms up: certificates, connections
             for column, t in ts.items():
-                await asyncio.sleep(settle)
                 samples = await asyncio.gather(
                     *(
                         one_call(
