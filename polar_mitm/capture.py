@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from .sse import dumps
+
 log = logging.getLogger(__name__)
 REDACTED = "[redacted]"
 # Headers whose values are credentials. Values are dropped, never hashed or truncated.
@@ -40,6 +42,10 @@ _SECRET_KEY = re.compile(
     r"^(api[_-]?key|authorization|password|passwd|secret|client[_-]?secret|access[_-]?token"
     r"|refresh[_-]?token|id[_-]?token|session[_-]?token|cookie|credentials?)$",
     re.IGNORECASE,
+)
+# The same names as keys of compact JSON text (see `redacted_json`).
+_SECRET_KEY_IN_JSON = re.compile(
+    r'[{,]"(' + _SECRET_KEY.pattern.removeprefix("^(").removesuffix(")$") + r')":', re.IGNORECASE
 )
 
 
@@ -265,7 +271,15 @@ def redact_obj(obj: Any) -> Any:
 
 
 def redacted_json(obj: Any, secrets: Iterable[str] = ()) -> str:
-    text = json.dumps(redact_obj(obj), ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON of `obj` with credential-named keys blanked and `secrets` scrubbed.
+
+    Requests run to hundreds of KB in long agent loops and almost never hold a credential key,
+    so the text is written first and the tree copied (`redact_obj`) only when a credential-named
+    key shows up in it: such names need no JSON escaping, so each key of them appears in compact
+    JSON as `{"name":` or `,"name":`, and never so inside a string (its quotes are escaped)."""
+    text = dumps(obj)
+    if _SECRET_KEY_IN_JSON.search(text):
+        text = dumps(redact_obj(obj))
     return scrub(text, secrets)
 
 

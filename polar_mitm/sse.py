@@ -101,6 +101,11 @@ def encode_json(obj: Any, event: str | None = None) -> bytes:
     return encode(dumps(obj), event)
 
 
+# One encoder for every chunk: json.dumps with arguments builds a new JSONEncoder per call, a third
+# of the time of encoding a stream chunk.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON, non-ASCII kept as is (what the servers and SDKs send)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return _COMPACT.encode(obj)

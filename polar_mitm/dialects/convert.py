@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import uuid
 from typing import Any
 
+from ..sse import dumps
 from .base import DialectError
 
 # Tool-call ids the harnesses accept as they are (Anthropic's pattern; OpenAI's ids fit it too).
@@ -88,7 +88,7 @@ def arguments_json(value: Any) -> str:
     """Tool-call arguments as the JSON string chat completions carries (compact, unescaped)."""
     if isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return dumps(value)
 
 
 class ChatBuilder:

@@ -1,0 +1,65 @@
+"""`redacted_json` writes a request once and copies it only when a credential-named key is in it:
+it must give exactly what blanking every such key first and then writing would give."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from polar_mitm.capture import REDACTED, redact_obj, redacted_json
+
+# Keys: credential names in any case and spelling the pattern allows, near misses, and ordinary
+# names; strings: text that looks like a credential key inside JSON text.
+KEYS = st.sampled_from(
+    [
+        "api_key",
+        "API-KEY",
+        "apikey",
+        "Authorization",
+        "password",
+        "Credentials",
+        "session-token",
+        "api_keys",
+        "my_password",
+        "content",
+        "role",
+        "tool_calls",
+        "",
+        'quote"key',
+        "ключ",
+    ]
+)
+TEXT = st.sampled_from(
+    ['{"api_key":"sk-1"}', ',"password":', '\\",\\"secret\\":', "plain", "", "é ünïcode"]
+) | st.text(max_size=12)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=4),
+    max_leaves=25,
+)
+
+
+def reference(obj: object, secrets: list[str]) -> str:
+    text = json.dumps(redact_obj(obj), ensure_ascii=False, separators=(",", ":"))
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+@settings(max_examples=400, deadline=None)
+@given(JSON, st.lists(st.sampled_from(["sk-1", "hunter22", "secret-value"]), max_size=2))
+def test_redacted_json_equals_redacting_first(obj: object, secrets: list[str]) -> None:
+    assert redacted_json(obj, secrets) == reference(obj, secrets)
+
+
+def test_credential_keys_are_blanked_at_any_depth() -> None:
+    body = {"messages": [{"role": "user", "content": "hi", "extra": {"Api-Key": "sk-1"}}]}
+    text = redacted_json(body)
+    assert "sk-1" not in text and json.loads(text)["messages"][0]["extra"]["Api-Key"] == REDACTED
+
+
+def test_key_lookalikes_inside_strings_are_left_alone() -> None:
+    body = {"content": 'config: {"api_key": "x"}, "password":'}
+    assert json.loads(redacted_json(body)) == body
