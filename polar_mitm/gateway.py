@@ -6,62 +6,208 @@ points each captured flow at this loopback server, which runs the `Call` — the
 token capture, translation — and streams the harness's reply back through mitmproxy with
 `flow.response.stream` set, chunk by chunk. The harness's request body never crosses the
 loopback: the call is looked up by the id in the path.
+
+Its only client is mitmproxy, sending ``POST /polar-call/<id>`` with no body, one request at a
+time per connection, so the server is a small asyncio protocol rather than a web framework: a
+reply chunk is one `transport.write`, with no per-chunk coroutine, and a call's start is one
+write of the status line and headers. (Measured against the aiohttp server it replaced: see
+the README's performance section.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import http
+import json
 import logging
 from collections.abc import Mapping
 
 import aiohttp
-from aiohttp import web
 
 from .exchange import Call, ClientGone
 
 log = logging.getLogger(__name__)
 PATH_PREFIX = "/polar-call/"
-# What a write to the harness raises once it has left (aiohttp: RuntimeError after the transport
-# closed). Caught inline in each write: the per-chunk path pays no extra call for it.
-_HARNESS_GONE = (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError)
+_MAX_HEAD = 64 << 10  # mitmproxy's request head is a few hundred bytes
+_CLOSE_TIMEOUT_S = 2.0
 
 
-class _WebOutput:
-    """`exchange.Output` over an aiohttp response; a failed write means the harness left."""
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
+    return f"HTTP/1.1 {status} {phrase}\r\n".encode()
 
-    __slots__ = ("request", "response")
 
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.response: web.StreamResponse | None = None
+def _head(status: int, headers: Mapping[str, str]) -> bytes:
+    lines = [_status_line(status)]
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
+    lines.append(b"\r\n")
+    return b"".join(lines)
 
-    @property
-    def started(self) -> bool:
-        return self.response is not None
+
+class _Connection(asyncio.Protocol):
+    """One connection from mitmproxy: read a request head, run its call, answer, repeat."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.serving: asyncio.Task | None = None
+        self.closed = False
+        self._writable: asyncio.Future[None] | None = None  # set while the transport is paused
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.gateway.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.serving is None:
+            self._next_request()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.gateway.connections.discard(self)
+        self._wake()
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        self._wake()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _next_request(self) -> None:
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buffer) > _MAX_HEAD:
+                self._refuse(431, "request head too large")
+            return
+        head = bytes(self.buffer[:end]).decode("latin-1")
+        del self.buffer[: end + 4]
+        request_line, _, header_lines = head.partition("\r\n")
+        parts = request_line.split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self._refuse(400, "not an HTTP/1 request")
+            return
+        for line in header_lines.split("\r\n"):
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            body = name == "content-length" and value.strip() != "0"
+            if body or name == "transfer-encoding":  # the addon never sends a body here
+                self._refuse(400, "the gateway takes no request body")
+                return
+        target = parts[1]
+        call_id = target[len(PATH_PREFIX) :] if target.startswith(PATH_PREFIX) else ""
+        call = self.gateway.calls.pop(call_id, None)
+        self.serving = asyncio.get_running_loop().create_task(self._serve(call))
+
+    async def _serve(self, call: Call | None) -> None:
+        out = _Output(self)
+        try:
+            if call is None or self.gateway.session is None:
+                await out.send(404, b'{"error":{"message":"unknown call"}}')
+            else:
+                await call.run(out, self.gateway.session)
+            if out.full is not None:  # set by send(): written once run() has returned
+                self._write(out.full)
+            elif out.started:
+                if not out.ended:  # a failure's error event was the last: end the body
+                    self._write(b"0\r\n\r\n")
+            else:  # cannot happen: every path of run() answers
+                assert call is not None
+                log.error("polar-mitm: call %s produced no response", call.record.call_id)
+                await out.send(500, b'{"error":{"message":"no response"}}')
+                self._write(out.full or b"")
+        except ClientGone:
+            pass
+        except BaseException:
+            # Cancelled (the harness left, or shutdown) or a bug: the reply is cut short, so
+            # the connection cannot carry another one.
+            self._close()
+            raise
+        finally:
+            self.serving = None
+        if self.buffer and not self.closed:
+            self._next_request()
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        body = json.dumps({"error": {"message": message}}).encode()
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        try:
+            self._write(_head(status, {**headers, "Connection": "close"}) + body)
+        except ClientGone:
+            pass
+        self._close()
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        """Write, or raise `ClientGone` once mitmproxy has closed the connection."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise ClientGone()
+        self.transport.write(data)
+
+    async def drained(self) -> None:
+        """Wait while the transport's buffer is over its high-water mark."""
+        while self._writable is not None and not self.closed:
+            await self._writable
+        if self.closed:
+            raise ClientGone()
+
+    def _wake(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Output:
+    """`exchange.Output` over a gateway connection: chunked transfer encoding, written as the
+    call produces it; `send` keeps a whole response until the call has returned."""
+
+    __slots__ = ("conn", "started", "ended", "full")
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+        self.started = False
+        self.ended = False
+        self.full: bytes | None = None
 
     async def start(self, status: int, content_type: str) -> None:
-        response = web.StreamResponse(
-            status=status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+        head = _head(
+            status,
+            {
+                "Content-Type": content_type,
+                "Cache-Control": "no-cache",
+                "Transfer-Encoding": "chunked",
+            },
         )
-        self.response = response
-        try:
-            await response.prepare(self.request)
-        except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
-            raise ClientGone() from e
+        self.started = True
+        self.conn._write(head)
 
     async def write(self, data: bytes) -> None:
-        assert self.response is not None
-        try:
-            await self.response.write(data)
-        except _HARNESS_GONE as e:
-            raise ClientGone() from e
+        conn = self.conn
+        if data:
+            conn._write(b"%x\r\n%b\r\n" % (len(data), data))
+            if conn._writable is not None:  # mitmproxy reads slower than we write: wait
+                await conn.drained()
 
     async def end(self, data: bytes) -> None:
-        assert self.response is not None
-        try:
-            await self.response.write_eof(data)
-        except _HARNESS_GONE as e:
-            raise ClientGone() from e
+        self.ended = True
+        last = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        self.conn._write(last)
 
     async def send(
         self,
@@ -70,9 +216,9 @@ class _WebOutput:
         content_type: str = "application/json",
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.response = web.Response(
-            status=status, body=body, headers={**(headers or {}), "Content-Type": content_type}
-        )
+        fields = {**(headers or {}), "Content-Type": content_type}
+        fields["Content-Length"] = str(len(body))
+        self.full = _head(status, fields) + body
 
 
 class Gateway:
@@ -80,21 +226,16 @@ class Gateway:
         self.calls: dict[str, Call] = {}
         self.port: int | None = None
         self.session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
+        self.connections: set[_Connection] = set()
+        self._server: asyncio.Server | None = None
         self.ready = asyncio.Event()
 
     async def start(self, connect_timeout: float, stall_timeout: float) -> None:
-        if self._runner is not None:
+        if self._server is not None:
             return
-        app = web.Application(client_max_size=1 << 20)
-        app.router.add_route("*", PATH_PREFIX + "{call_id}", self._handle)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        # Calls are aborted before the gateway stops, so shutdown need not wait for handlers.
-        site = web.TCPSite(runner, "127.0.0.1", 0, shutdown_timeout=2.0)
-        await site.start()
-        self._runner = runner
-        self.port = runner.addresses[0][1]
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(
@@ -112,9 +253,16 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
             self.session = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            # Calls are aborted before the gateway stops, so shutdown need not wait for them.
+            self._server.close()
+            for conn in list(self.connections):
+                conn._close()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), _CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                pass
+            self._server = None
         self.ready.clear()
 
     def register(self, call: Call) -> str:
@@ -124,20 +272,3 @@ class Gateway:
 
     def drop(self, call_id: str) -> Call | None:
         return self.calls.pop(call_id, None)
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        call = self.calls.pop(request.match_info["call_id"], None)
-        if call is None or self.session is None:
-            return web.json_response({"error": {"message": "unknown call"}}, status=404)
-        out = _WebOutput(request)
-        await call.run(out, self.session)
-        if out.response is None:  # cannot happen: every path of run() answers
-            log.error("polar-mitm: call %s produced no response", call.record.call_id)
-            return web.json_response({"error": {"message": "no response"}}, status=500)
-        if isinstance(out.response, web.Response):
-            return out.response
-        try:
-            await out.response.write_eof()
-        except _HARNESS_GONE:
-            pass
-        return out.response
