@@ -792,10 +792,10 @@ def main() -> int:
     elif args.quick:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
             args.tokens or 8,
-            8,
+            7,
             3,
-            5.0,
-            1600,
+            4.0,
+            1280,
         )
     else:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
