@@ -28,6 +28,8 @@ Absolute times on shared machines are noise; the ratios in one run are the resul
     python scripts/bench.py --quick            # a few minutes on 2 cores
     python scripts/bench.py --quick --smoke    # tiny counts: only checks that it runs
     python scripts/bench.py --json out.json    # and out.png beside it
+    python scripts/bench.py --quick --variant nohold:polar_durable_replies=false
+                                               # one more polar-mitm column, other settings
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ DIALECT_COLUMNS = ("polar-mitm/responses", "polar-mitm/messages")
 # when their reward is posted, so the proxy writes their traces during the run and keeps no
 # trajectories of finished rollouts (the other benchmarks' proxies keep their rollouts open).
 POLAR_OPTIONS = {"polar_rollout_idle": "1"}
+# --variant NAME:KEY=VALUE,...: more polar-mitm columns with other settings (what one costs).
+VARIANTS: dict[str, dict[str, str]] = {}
 
 
 def progress(message: str) -> None:
@@ -490,6 +494,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     paced_url, fast_url = server_url(paced), server_url(fast)
     litellm = litellm_bin(install=args.litellm)
     extra = ("litellm",) if litellm is not None and not args.smoke else ()
+    extra += tuple(f"polar-mitm+{name}" for name in args.variants)
     if litellm is None:
         progress("no litellm column (scripts/bench.py --litellm installs it)")
     columns = {c: {} for c in COLUMNS + DIALECT_COLUMNS + extra}
@@ -549,9 +554,12 @@ def targets_for(
         child, port = start_litellm(tmp, upstream, f"litellm-{mode}", wait)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         return [(column, Target(url, None, False, child, key=LITELLM_KEY))]
-    child, port = start_proxy(
-        tmp, column, upstream, confdir, name=f"{column}-{mode}", options=POLAR_OPTIONS, wait=wait
-    )
+    options = POLAR_OPTIONS
+    if column.startswith("polar-mitm+"):  # a --variant: polar-mitm with more settings
+        options = {**POLAR_OPTIONS, **VARIANTS[column.removeprefix("polar-mitm+")]}
+    name = f"{column}-{mode}"
+    kind = "polar-mitm" if column.startswith("polar-mitm") else column
+    child, port = start_proxy(tmp, kind, upstream, confdir, name, options, wait)
     return [(column, Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child))]
 
 
@@ -674,6 +682,30 @@ def report(results: dict) -> list[tuple[str, str, str, str, str]]:
                     ratios(added(p, d, conc, q), added(f, d, conc, q), added(s, d, conc, q)),
                 )
             )
+    for column in (c for c in cols if c.startswith("polar-mitm+")):
+        x = cols[column]
+        for conc in ("c1", "c32"):
+            for q in ("p50", "p99"):
+                rows.append(
+                    (
+                        f"{column}: added latency {q} ms ({conc[1:]} conc)",
+                        f"{added(x, d, conc, q):.1f}",
+                        f"polar-mitm {added(p, d, conc, q):.1f} / stream {added(s, d, conc, q):.1f}",
+                        ratio(added(x, d, conc, q), added(s, d, conc, q)),
+                        ratios(added(x, d, conc, q), added(f, d, conc, q), added(s, d, conc, q)),
+                    )
+                )
+        through = x["throughput"]
+        rows.append(
+            (
+                f"{column}: calls/s; CPU-s per 1k calls",
+                f"{through['calls_per_s']:.1f}; {through['cpu_s_per_1k_calls']:.1f}",
+                f"polar-mitm {p['throughput']['calls_per_s']:.1f}; {p['throughput']['cpu_s_per_1k_calls']:.1f}",
+                f"{ratio(through['calls_per_s'], s['throughput']['calls_per_s'])}; "
+                f"{ratio(through['cpu_s_per_1k_calls'], s['throughput']['cpu_s_per_1k_calls'])}",
+                "",
+            )
+        )
     for column in DIALECT_COLUMNS:
         x = cols.get(column) or {}
         for conc in ("c1", "c32"):
@@ -779,7 +811,27 @@ def main() -> int:
         help=f"install LiteLLM's proxy ({LITELLM_VERSION}, into .venv-litellm) when missing; "
         "its column is there whenever .venv-litellm is",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="one more polar-mitm column with these --set options, e.g. "
+        "nohold:polar_durable_replies=false (repeatable)",
+    )
     args = ap.parse_args()
+    args.variants = []
+    for spec in args.variant:
+        name, _, sets = spec.partition(":")
+        if not re.fullmatch(r"[\w.-]+", name):
+            ap.error(f"--variant {spec!r}: the name takes letters, digits, '.', '_', '-'")
+        try:
+            VARIANTS[name] = dict(kv.split("=", 1) for kv in sets.split(",") if kv)
+        except ValueError:
+            ap.error(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        if not name or not VARIANTS[name]:
+            ap.error(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        args.variants.append(name)
     if args.smoke:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
             args.tokens or 8,

@@ -18,6 +18,8 @@ def test_bench_smoke(tmp_path):
             str(ROOT / "scripts" / "bench.py"),
             "--quick",
             "--smoke",
+            "--variant",
+            "nohold:polar_durable_replies=false",
             "--json",
             str(out),
         ],
@@ -37,6 +39,9 @@ def test_bench_smoke(tmp_path):
     for column in ("polar-mitm/responses", "polar-mitm/messages"):  # Codex's and Claude's APIs
         col = results["columns"][column]
         assert col["c1"]["calls"] > 0 and col["c1"]["errors"] == 0, (column, col)
+    nohold = results["columns"]["polar-mitm+nohold"]  # --variant: one more polar-mitm column
+    assert nohold["c1"]["calls"] > 0 and nohold["throughput"]["cpu_s_per_1k_calls"] > 0
+    assert "polar-mitm+nohold: added latency p50 ms (1 conc)" in proc.stdout
     assert isinstance(results["inprocess"]["parquet_flush_vs_raw"], float)
     assert isinstance(results["inprocess"]["merge_time_2N_over_N"], float)
     assert out.with_suffix(".png").stat().st_size > 1000
