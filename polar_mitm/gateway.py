@@ -10,8 +10,7 @@ loopback: the call is looked up by the id in the path.
 Its only client is mitmproxy, sending ``POST /polar-call/<id>`` with no body, one request at a
 time per connection, so the server is a small asyncio protocol rather than a web framework: a
 reply chunk is one `transport.write`, with no per-chunk coroutine, and a call's start is one
-write of the status line and headers. (Measured against the aiohttp server it replaced: see
-the README's performance section.)
+write of the status line and headers.
 """
 
 from __future__ import annotations
