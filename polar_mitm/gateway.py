@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 PATH_PREFIX = "/polar-call/"
 _MAX_HEAD = 64 << 10  # mitmproxy's request head is a few hundred bytes
 _CLOSE_TIMEOUT_S = 2.0
+_LAST_CHUNK = b"0\r\n\r\n"  # the end of a chunked body
 
 
 def _status_line(status: int) -> bytes:
@@ -45,6 +46,15 @@ def _head(status: int, headers: Mapping[str, str]) -> bytes:
         lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
     lines.append(b"\r\n")
     return b"".join(lines)
+
+
+def _whole(status: int, body: bytes, headers: Mapping[str, str]) -> bytes:
+    """A response with its whole body (errors, non-streaming replies)."""
+    return _head(status, {**headers, "Content-Length": str(len(body))}) + body
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 class _Connection(asyncio.Protocol):
@@ -120,12 +130,12 @@ class _Connection(asyncio.Protocol):
                 self._write(out.full)
             elif out.started:
                 if not out.ended:  # a failure's error event was the last: end the body
-                    self._write(b"0\r\n\r\n")
+                    self._write(_LAST_CHUNK)
             else:  # cannot happen: every path of run() answers
                 assert call is not None
                 log.error("polar-mitm: call %s produced no response", call.record.call_id)
-                await out.send(500, b'{"error":{"message":"no response"}}')
-                self._write(out.full or b"")
+                body = b'{"error":{"message":"no response"}}'
+                self._write(_whole(500, body, {"Content-Type": "application/json"}))
         except ClientGone:
             pass
         except BaseException:
@@ -144,9 +154,9 @@ class _Connection(asyncio.Protocol):
 
     def _refuse(self, status: int, message: str) -> None:
         body = json.dumps({"error": {"message": message}}).encode()
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        headers = {"Content-Type": "application/json", "Connection": "close"}
         try:
-            self._write(_head(status, {**headers, "Connection": "close"}) + body)
+            self._write(_whole(status, body, headers))
         except ClientGone:
             pass
         self._close()
@@ -199,14 +209,13 @@ class _Output:
     async def write(self, data: bytes) -> None:
         conn = self.conn
         if data:
-            conn._write(b"%x\r\n%b\r\n" % (len(data), data))
+            conn._write(_chunk(data))
             if conn._writable is not None:  # mitmproxy reads slower than we write: wait
                 await conn.drained()
 
     async def end(self, data: bytes) -> None:
         self.ended = True
-        last = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
-        self.conn._write(last)
+        self.conn._write(_chunk(data) + _LAST_CHUNK if data else _LAST_CHUNK)
 
     async def send(
         self,
@@ -215,9 +224,7 @@ class _Output:
         content_type: str = "application/json",
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        fields = {**(headers or {}), "Content-Type": content_type}
-        fields["Content-Length"] = str(len(body))
-        self.full = _head(status, fields) + body
+        self.full = _whole(status, body, {**(headers or {}), "Content-Type": content_type})
 
 
 class Gateway:

@@ -494,7 +494,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     paced_url, fast_url = server_url(paced), server_url(fast)
     litellm = litellm_bin(install=args.litellm)
     extra = ("litellm",) if litellm is not None and not args.smoke else ()
-    extra += tuple(f"polar-mitm+{name}" for name in args.variants)
+    extra += tuple(f"polar-mitm+{name}" for name in VARIANTS)
     if litellm is None:
         progress("no litellm column (scripts/bench.py --litellm installs it)")
     columns = {c: {} for c in COLUMNS + DIALECT_COLUMNS + extra}
@@ -769,8 +769,7 @@ HEADER = ("figure", "polar-mitm", "floor / others", "ratio", "vs capture-floor (
 
 def print_table(rows: list[tuple[str, str, str, str, str]]) -> None:
     widths = [max(len(r[i]) for r in [*rows, HEADER]) for i in range(len(HEADER))]
-    header = HEADER
-    for row in [header, tuple("-" * w for w in widths), *rows]:
+    for row in [HEADER, tuple("-" * w for w in widths), *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
 
 
@@ -820,18 +819,14 @@ def main() -> int:
         "nohold:polar_durable_replies=false (repeatable)",
     )
     args = ap.parse_args()
-    args.variants = []
     for spec in args.variant:
         name, _, sets = spec.partition(":")
         if not re.fullmatch(r"[\w.-]+", name):
             ap.error(f"--variant {spec!r}: the name takes letters, digits, '.', '_', '-'")
-        try:
-            VARIANTS[name] = dict(kv.split("=", 1) for kv in sets.split(",") if kv)
-        except ValueError:
+        pairs = [kv.split("=", 1) for kv in sets.split(",") if kv]
+        if not pairs or any(len(kv) != 2 for kv in pairs):
             ap.error(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-        if not name or not VARIANTS[name]:
-            ap.error(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-        args.variants.append(name)
+        VARIANTS[name] = dict(pairs)
     if args.smoke:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (
             args.tokens or 8,
