@@ -28,7 +28,7 @@ import bench  # noqa: E402
 
 # What each share means (function names as py-spy reports them).
 PARTS = {
-    "the whole gateway: one captured call, upstream request to last byte": "Gateway._handle",
+    "the whole gateway: one captured call, upstream request to last byte": "_Connection._serve",
     "  relaying the stream (parse, capture, translate, write)": "Call._relay_stream",
     "    decoding each upstream chunk (JSON)": "_json_chunk",
     "    the harness's chunk (dialect translation, JSON)": "_ChatStream.chunk",

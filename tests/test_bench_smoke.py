@@ -22,6 +22,7 @@ def test_bench_smoke(tmp_path):
             "nohold:polar_durable_replies=false",
             "--json",
             str(out),
+            "--markdown",
         ],
         capture_output=True,
         text=True,
@@ -46,5 +47,35 @@ def test_bench_smoke(tmp_path):
     assert isinstance(results["inprocess"]["merge_time_2N_over_N"], float)
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "added latency p50 ms (1 conc)" in proc.stdout
+    assert "| calls/s, 32 concurrent |" in proc.stdout  # --markdown: the README's table
     assert results["inprocess"]["fidelity_check_vs_off"] > 1  # scripts/bench_fidelity.py
     assert results["inprocess"]["exact_hot_ms_cpu_per_call"] > 0  # scripts/bench_exact.py
+
+
+def test_profile_parts_name_real_functions():
+    """scripts/bench_profile.py finds each part by its function's name in py-spy's stacks; a
+    renamed function would silently show 0 %."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import polar_mitm
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_profile
+
+    modules = [
+        importlib.import_module(m.name)
+        for m in pkgutil.walk_packages(polar_mitm.__path__, "polar_mitm.")
+        if not m.name.startswith("polar_mitm.policy_server")
+    ]
+    modules += [importlib.import_module(n) for n in ("aiohttp.client", "mitmproxy.addonmanager")]
+    known = set()
+    for module in modules:
+        for _, obj in inspect.getmembers(module):
+            if inspect.isfunction(obj) or inspect.isclass(obj):
+                known.add(obj.__qualname__)
+                if inspect.isclass(obj):
+                    known.update(f"{obj.__qualname__}.{name}" for name in vars(obj))
+    missing = [fn for fn in bench_profile.PARTS.values() if fn not in known]
+    assert not missing, missing
