@@ -278,7 +278,6 @@ class Sample:
 class Run:
     samples: list[Sample] = field(default_factory=list)
     wall: float = 0.0
-    cpu: float = 0.0
     errors: int = 0
 
     def q(self, attr: str, p: float) -> float:
@@ -373,14 +372,12 @@ async def drive(
     sessions: int,
     calls: int | None,
     seconds: float | None,
-    cpu_of: Callable[[], float] | None,
     key: str | None = None,
     tag: str = "bench",
 ) -> Run:
     """`sessions` concurrent harness sessions (one keep-alive connection each), each making calls
     back to back, until `calls` per session or `seconds` of wall time."""
     run = Run()
-    cpu0 = cpu_of() if cpu_of else 0.0
     t0 = time.perf_counter()
     deadline = t0 + seconds if seconds else None
 
@@ -400,7 +397,6 @@ async def drive(
 
     await asyncio.gather(*(session_loop(i) for i in range(sessions)))
     run.wall = time.perf_counter() - t0
-    run.cpu = (cpu_of() - cpu0) if cpu_of else float("nan")
     return run
 
 
@@ -534,8 +530,9 @@ def throughput(
 ) -> None:
     """calls/s and CPU per call, upstream as fast as it goes: every column gets `args.slices`
     slices of 32 sessions, the columns taking turns (in a rotating order), so that a machine
-    that slows down or speeds up part-way moves every column alike. (One column after the
-    other, the same code's calls/s ratio moved between 0.59 and 0.88 in four --quick runs.)
+    that slows down or speeds up part-way moves every column alike. (Timed one column after
+    the other, the same code's calls/s ratio was 0.59, 0.67 and 0.73 in three --quick runs;
+    taking turns, 0.73 and 0.72 in two.)
     A proxy's CPU is its whole CPU time from its first slice to a settle after the last (an
     idle proxy uses none): work a proxy does after its calls — e.g. polar-mitm writing the
     trajectories of rollouts that went idle — counts as its own."""
@@ -549,24 +546,14 @@ def throughput(
         loop = asyncio.new_event_loop()
         runs = {column: Run() for column in ts}
         for column, t in ts.items():  # warm up: certificates, connections
-            loop.run_until_complete(drive(column, t.url, t.proxy, t.ssl, 4, 2, None, None, t.key))
+            loop.run_until_complete(drive(column, t.url, t.proxy, t.ssl, 4, 2, None, t.key))
         cpu0 = {c: t.child.cpu_seconds() for c, t in ts.items() if t.child is not None}
-        order = list(ts)
+        order, seconds = list(ts), args.seconds / args.slices
         for r in range(args.slices):
             for column in order[r % len(order) :] + order[: r % len(order)]:
                 t = ts[column]
                 run = loop.run_until_complete(
-                    drive(
-                        column,
-                        t.url,
-                        t.proxy,
-                        t.ssl,
-                        32,
-                        None,
-                        args.seconds / args.slices,
-                        None,
-                        t.key,
-                    )
+                    drive(column, t.url, t.proxy, t.ssl, 32, None, seconds, t.key)
                 )
                 runs[column].samples += run.samples
                 runs[column].errors += run.errors
@@ -575,11 +562,11 @@ def throughput(
         for column, run in runs.items():
             cols[column]["throughput"] = summarize(run)
             if column in cpu0:
-                run.cpu = ts[column].child.cpu_seconds() - cpu0[column]
-                cols[column]["throughput"]["cpu_s_per_1k_calls"] = 1000 * run.cpu / max(run.ok, 1)
+                cpu = ts[column].child.cpu_seconds() - cpu0[column]
+                cols[column]["throughput"]["cpu_s_per_1k_calls"] = 1000 * cpu / max(run.ok, 1)
         progress(f"throughput and CPU ({args.slices} turns of {len(ts)} columns): done")
-        polar = ts["polar-mitm"]
         if args.rss_calls:
+            polar = ts["polar-mitm"]
             assert polar.child is not None
             cols["polar-mitm"]["rss"] = rss_curve(
                 loop, polar.url, polar.proxy, polar.ssl, polar.child, args.rss_calls
@@ -619,9 +606,7 @@ def rss_curve(loop, url, proxy, ctx, child: Child, total: int) -> list[tuple[int
     done = 0
     while done < total:
         loop.run_until_complete(
-            drive(
-                "polar-mitm", url, proxy, ctx, 32, max(step // 32, 1), None, None, tag=f"rss{done}"
-            )
+            drive("polar-mitm", url, proxy, ctx, 32, max(step // 32, 1), None, tag=f"rss{done}")
         )
         done += max(step // 32, 1) * 32
         points.append((done, child.rss_mb()))

@@ -54,11 +54,13 @@ def markdown(results: dict) -> str:
         unit: str,
         limit: float,
         at_most: bool = True,
-        without: tuple[str, ...] = (),
+        of_direct: bool = True,  # False for what is added to direct (latency) or none (CPU)
     ) -> None:
         def of(column: str) -> float | None:
+            if column == "direct" and not of_direct:
+                return None
             try:
-                return value(cols[column]) if column not in without else None
+                return value(cols[column])
             except (KeyError, TypeError):
                 return None
 
@@ -70,68 +72,59 @@ def markdown(results: dict) -> str:
         cells.append(f"{polar / floor:.2f} ({floor / stream:.2f})")
         lines.append(_row(cells))
 
+    blank = [""] * len(SHOWN)
+
+    def alone(label: str, value: str, ratio: str, goal: str = "") -> None:
+        """A row with polar-mitm's figure and ratio only (no floor or other columns)."""
+        lines.append(_row([label, value, *blank, ratio, goal, ""]))
+
     def added(conc: str, q: str) -> Callable[[dict], float]:
         return lambda c: c[conc][f"ttlb_ms_{q}"] - direct[conc][f"ttlb_ms_{q}"]
 
-    no_direct = ("direct",)  # direct is what latency is added to
     for conc, n in (("c1", "1"), ("c32", "32")):
         figure(f"TTFB p50, {n} concurrent", lambda c, k=conc: c[k]["ttfb_ms_p50"], " ms", 1.15)
         for q in ("p50", "p99"):
-            figure(f"added latency {q}, {n} conc.", added(conc, q), " ms", 1.10, without=no_direct)
+            figure(f"added latency {q}, {n} conc.", added(conc, q), " ms", 1.10, of_direct=False)
     figure("calls/s, 32 concurrent", lambda c: c["throughput"]["calls_per_s"], "", 0.85, False)
-    figure(
-        "proxy CPU-s per 1,000 calls",
-        lambda c: c["throughput"]["cpu_s_per_1k_calls"],
-        "",
-        1.5,
-        without=no_direct,
-    )
-    blank = [""] * (len(SHOWN))
-    for name in (c for c in cols if c.startswith("polar-mitm+")):
-        x, s = cols[name], cols["mitm-stream"]
+
+    def cpu_per_1k(column: dict) -> float:
+        return column["throughput"]["cpu_s_per_1k_calls"]
+
+    figure("proxy CPU-s per 1,000 calls", cpu_per_1k, "", 1.5, of_direct=False)
+    stream = cols["mitm-stream"]
+    for column in (c for c in cols if c.startswith("polar-mitm+")):
+        x, name = cols[column], column.removeprefix("polar-mitm+")
         for conc, n in (("c1", "1"), ("c32", "32")):
-            v, f = added(conc, "p50")(x), added(conc, "p50")(s)
-            cells = [f"`{name[11:]}`: added latency p50, {n} conc.", f"{v:.1f} ms", *blank]
-            lines.append(_row([*cells, f"{v / f:.2f}", "", ""]))
+            v = added(conc, "p50")(x)
+            ratio = f"{v / added(conc, 'p50')(stream):.2f}"
+            alone(f"`{name}`: added latency p50, {n} conc.", f"{v:.1f} ms", ratio)
         t = x["throughput"]
-        cells = [f"`{name[11:]}`: calls/s; CPU-s per 1,000 calls"]
-        cells += [f"{t['calls_per_s']:.1f}; {t['cpu_s_per_1k_calls']:.1f}", *blank]
-        ratio = t["calls_per_s"] / s["throughput"]["calls_per_s"]
-        cpu = t["cpu_s_per_1k_calls"] / s["throughput"]["cpu_s_per_1k_calls"]
-        lines.append(_row([*cells, f"{ratio:.2f}; {cpu:.2f}", "", ""]))
+        calls = t["calls_per_s"] / stream["throughput"]["calls_per_s"]
+        cpu = cpu_per_1k(x) / cpu_per_1k(stream)
+        value = f"{t['calls_per_s']:.1f}; {cpu_per_1k(x):.1f}"
+        alone(f"`{name}`: calls/s; CPU-s per 1,000 calls", value, f"{calls:.2f}; {cpu:.2f}")
     rss = cols["polar-mitm"].get("rss")
     if rss:
         first, last, peak = rss[1][1], rss[-1][1], max(mb for _, mb in rss[1:])
-        label = f"proxy RSS, {rss[1][0]:,} -> {rss[-1][0]:,} calls"
-        cells = [label, f"{first:.0f} -> {last:.0f} MB (peak {peak:.0f})", *blank]
         flat = last / first <= RSS_FLAT
-        goal = f"flat (<= {RSS_FLAT:.2f}): " + ("met" if flat else "**missed**")
-        lines.append(_row([*cells, f"{last / first:.2f}", goal, ""]))
+        alone(
+            f"proxy RSS, {rss[1][0]:,} -> {rss[-1][0]:,} calls",
+            f"{first:.0f} -> {last:.0f} MB (peak {peak:.0f})",
+            f"{last / first:.2f}",
+            f"flat (<= {RSS_FLAT:.2f}): " + ("met" if flat else "**missed**"),
+        )
     inproc = results.get("inprocess", {})
     merge, parquet = inproc.get("merge_time_2N_over_N"), inproc.get("parquet_flush_vs_raw")
     if isinstance(merge, float):
-        lines.append(
-            _row(
-                ["merge time 2N / N turns", "", *blank, f"{merge:.2f}", _goal(merge, 2.3, True), ""]
-            )
-        )
+        alone("merge time 2N / N turns", "", f"{merge:.2f}", _goal(merge, 2.3, True))
     if isinstance(parquet, float):
-        lines.append(
-            _row(
-                [
-                    "Parquet flush vs raw `write_table`",
-                    "",
-                    *blank,
-                    f"{parquet:.2f}x",
-                    _goal(parquet, 0.5, False),
-                    "",
-                ]
-            )
+        alone(
+            "Parquet flush vs raw `write_table`", "", f"{parquet:.2f}x", _goal(parquet, 0.5, False)
         )
     on, off = inproc.get("fidelity_us_per_call_check"), inproc.get("fidelity_us_per_call_off")
     if isinstance(on, float) and isinstance(off, float):
-        cells = ["fidelity check vs off, per call", f"{on:.0f} us vs {off:.0f} us", *blank]
-        lines.append(_row([*cells, f"{on / off:.2f}", "(off the hot path)", ""]))
+        value = f"{on:.0f} us vs {off:.0f} us"
+        alone("fidelity check vs off, per call", value, f"{on / off:.2f}", "(off the hot path)")
     return "\n".join(lines)
 
 

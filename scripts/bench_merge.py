@@ -84,29 +84,34 @@ def merge(calls: list[Call], cold: bool, prompts: list | None = None) -> tuple[f
     return spent, m
 
 
-def figures(smoke: bool = False) -> dict:
-    """The merge figures for scripts/bench.py: time(2N)/time(N) and peak memory per rollout.
-
-    The N and 2N runs alternate and each keeps its best: a machine that slows down or speeds up
-    part-way (other processes, frequency, caches) then moves both alike, not just one of them.
-    (Timed one after the other, the ratio moved between 1.95 and 2.82 in six runs here;
-    alternating, between 2.28 and 2.38.)"""
-    turns, repeat = (10, 2) if smoke else (100, 9)
-    sizes = (turns, 2 * turns)
-    calls = {n: build(n, 2000, 150, 100, 0, False) for n in sizes}
-    times = dict.fromkeys(sizes, float("inf"))
-    gc.disable()
+def alternate(
+    every: dict[int, list[Call]], repeat: int, cold: bool = False
+) -> dict[int, tuple[float, Merger]]:
+    """The best (time, merger) of `repeat` merges of each rollout size, the sizes alternating:
+    a machine that slows down or speeds up part-way (other processes, frequency, caches) then
+    moves every size alike, not just one. (Timed one size after the other, the default 2N/N
+    ratio moved between 1.95 and 2.82 in nine runs here; alternating, between 2.28 and 2.38.)"""
+    runs: dict[int, list[tuple[float, Merger]]] = {n: [] for n in every}
+    gc.disable()  # time the merge, not collections triggered by the harness's garbage
     for _ in range(repeat):
-        for n in sizes:
-            times[n] = min(times[n], merge(calls[n], False)[0])
+        for n, calls in every.items():
+            runs[n].append(merge(calls, cold))
     gc.enable()
-    prompts = [c.prompt() for c in calls[2 * turns]]
+    return {n: min(r, key=lambda x: x[0]) for n, r in runs.items()}
+
+
+def figures(smoke: bool = False) -> dict:
+    """The merge figures for scripts/bench.py: time(2N)/time(N) and peak memory per rollout."""
+    turns, repeat = (10, 2) if smoke else (100, 9)
+    every = {n: build(n, 2000, 150, 100, 0, False) for n in (turns, 2 * turns)}
+    best = alternate(every, repeat)
+    prompts = [c.prompt() for c in every[2 * turns]]
     tracemalloc.start()
-    merge(calls[2 * turns], cold=True, prompts=prompts)
+    merge(every[2 * turns], cold=True, prompts=prompts)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {
-        "merge_time_2N_over_N": times[2 * turns] / times[turns],
+        "merge_time_2N_over_N": best[2 * turns][0] / best[turns][0],
         f"merge_peak_MiB_per_rollout_{2 * turns}_turns": peak / 2**20,
     }
 
@@ -125,16 +130,11 @@ def main() -> None:
 
     sizes = (args.turns, 2 * args.turns)
     every = {n: build(n, args.base, args.env, args.out, args.side_every, args.lists) for n in sizes}
-    runs: dict[int, list[tuple[float, Merger]]] = {n: [] for n in sizes}
-    gc.disable()  # time the merge, not collections triggered by the harness's garbage
-    for _ in range(args.repeat):  # N and 2N alternate (see `figures`)
-        for n in sizes:
-            runs[n].append(merge(every[n], args.cold))
-    gc.enable()
+    bests = alternate(every, args.repeat, args.cold)
     results = {}
     for turns in sizes:
         calls = every[turns]
-        best, merger = min(runs.pop(turns), key=lambda r: r[0])
+        best, merger = bests.pop(turns)
         last = calls[max(i for i, c in enumerate(calls) if c.purpose == "main")]
         expected = last.full[: last.end] + last.output
         assert merger.chains[0].tokens == expected, "the main chain is not the last prompt + output"

@@ -81,7 +81,7 @@ def main() -> int:
         try:
             loop = asyncio.new_event_loop()
             via = f"http://127.0.0.1:{port}"
-            loop.run_until_complete(bench.drive("p", bench.URL, via, ctx, 4, 2, None, None))
+            loop.run_until_complete(bench.drive("p", bench.URL, via, ctx, 4, 2, None))
             sampler = subprocess.Popen(
                 [spy, "record", "-p", str(proxy.proc.pid), "-f", "raw", "-o", str(raw)]
                 + ["-r", "200", "-d", str(int(args.seconds))],
@@ -90,7 +90,7 @@ def main() -> int:
                 text=True,
             )
             run = loop.run_until_complete(
-                bench.drive("p", bench.URL, via, ctx, 32, None, args.seconds, None)
+                bench.drive("p", bench.URL, via, ctx, 32, None, args.seconds)
             )
             if sampler.wait() != 0:
                 sys.exit(f"bench_profile.py: py-spy failed: {sampler.stderr.read()[-2000:]}")
