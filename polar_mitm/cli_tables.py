@@ -142,16 +142,16 @@ CALL_COLUMNS = (
     Column("started", drop=5),
     Column("rollout"),
     Column("call"),
-    Column("dialect", drop=9),
+    Column("dialect", drop=10),
     Column("purpose", drop=3),
     Column("model", wraps=True, drop=2),
-    Column("prompt", numeric=True, drop=8),
-    Column("sampled", numeric=True, drop=10),
-    Column("ms", numeric=True, drop=7),
+    Column("prompt", numeric=True, drop=9),
+    Column("sampled", numeric=True, drop=12),
+    Column("ms", numeric=True, drop=8),
     Column("ttfb", numeric=True, drop=6),
     Column("status", drop=11),
     Column("finish", drop=4),
-    Column("flags", wraps=True, drop=12),
+    Column("flags", wraps=True, drop=7),
     Column("error", wraps=True, drop=1),
 )
 
@@ -183,7 +183,7 @@ def calls_listing(rows: Sequence[dict[str, Any]], source: str) -> Listing:
             fidelity_cell(flags, r["fidelity_checked"]),
             r["error"] or "",
         )
-    total = ["total", "", str(len(rows)), "", "", ""]
+    total = ["", "total", str(len(rows)), "", "", ""]
     total += [
         str(sum(r["prompt_tokens"] for r in rows)),
         str(sum(r["output_tokens"] for r in rows)),

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
@@ -59,33 +60,56 @@ class Listing:
 
     def table(self, width: int | None, console: Console) -> tuple[Table, int]:
         """The rich table for ``width`` columns (None: natural width), and the width to print it
-        at (more than ``width`` only when its essential columns alone do not fit)."""
+        at (more than ``width`` only when its essential columns alone do not fit).
+
+        Every column gets an explicit width, so rich never shrinks one itself: ids and figures
+        are as wide as their longest value, free text no narrower than its longest word."""
+        every = [[c.name for c in self.columns], *self.rows, *self.totals]
+        natural = [max(cell_len(r[i]) for r in every) for i in range(len(self.columns))]
+        least = [
+            max(max((cell_len(w) for w in r[i].split()), default=1) for r in every)
+            if c.wraps
+            else natural[i]
+            for i, c in enumerate(self.columns)
+        ]
         keep = list(range(len(self.columns)))
-        table = self._build(keep)
         if width is None:
-            return table, _UNLIMITED
+            return self._build(keep, natural), _UNLIMITED
+        extra = self._extra(console, keep, natural)
         for index in sorted(
             (i for i, c in enumerate(self.columns) if c.drop), key=lambda i: self.columns[i].drop
         ):
-            if _minimum(console, table) <= width:
+            if sum(least[i] for i in keep) + extra <= width:
                 break
             keep.remove(index)
-            table = self._build(keep)
-        return table, max(width, _minimum(console, table))
+            extra = self._extra(console, keep, natural)
+        widths = list(natural)
+        excess = sum(widths[i] for i in keep) + extra - width
+        while excess > 0:  # narrow the widest free text first, never below its longest word
+            slack = [i for i in keep if widths[i] > least[i]]
+            if not slack:
+                break
+            widest = max(slack, key=lambda i: widths[i])
+            widths[widest] -= 1
+            excess -= 1
+        table = self._build(keep, widths)
+        return table, max(width, sum(widths[i] for i in keep) + extra)
 
-    def _build(self, keep: Sequence[int]) -> Table:
+    def _extra(self, console: Console, keep: Sequence[int], widths: Sequence[int]) -> int:
+        """What the table adds to its columns' widths (padding, edges) for these columns."""
+        table = self._build(keep, widths)
+        return _measure(console, table) - sum(widths[i] for i in keep)
+
+    def _build(self, keep: Sequence[int], widths: Sequence[int]) -> Table:
         table = Table(title=self.title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-        every = [*self.rows, *self.totals]
         for i in keep:
             col = self.columns[i]
-            natural = max([len(col.name), *(len(r[i]) for r in every)])
             table.add_column(
                 col.name,
                 justify="right" if col.numeric else "left",
                 no_wrap=not col.wraps,
                 overflow="fold",
-                # a fixed width is never collapsed by rich: ids and figures stay whole
-                width=None if col.wraps else natural,
+                width=widths[i],
             )
         for row in self.rows:
             table.add_row(*(row[i] for i in keep))
@@ -96,8 +120,8 @@ class Listing:
         return table
 
 
-def _minimum(console: Console, table: Table) -> int:
-    return Measurement.get(console, console.options.update_width(_UNLIMITED), table).minimum
+def _measure(console: Console, table: Table) -> int:
+    return Measurement.get(console, console.options.update_width(_UNLIMITED), table).maximum
 
 
 def terminal_width(console: Console) -> int | None:

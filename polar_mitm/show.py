@@ -91,10 +91,16 @@ def fidelity_line(trace: dict[str, Any], calls: dict[str, dict[str, Any]]) -> st
         data = None
     data = data if isinstance(data, dict) else {}
     flags = data.get("flags") or {f: [] for f in trace.get("fidelity_flags") or ()}
-    found = ", ".join(f"⚑ {f}" + (f" ({len(i)} call(s))" if i else "") for f, i in flags.items())
+    found = [f"⚑ {f}" + (f" ({len(i)} call(s))" if i else "") for f, i in flags.items()]
+    # drift in this trace's turns is flagged on the later call that re-rendered them
+    found += [
+        f"⚑ {f} (seen by {len(i)} later call(s))"
+        for f, i in (data.get("observed") or {}).items()
+        if f not in flags
+    ]
     wrong = data.get("policy_tokens_wrong") or 0
     return (
-        f"checked {checked}/{len(ids)} calls: {found or 'no flags'}; {wrong} policy "
+        f"checked {checked}/{len(ids)} calls: {', '.join(found) or 'no flags'}; {wrong} policy "
         "token(s) a retokenize-the-text pipeline would get wrong"
     )
 
