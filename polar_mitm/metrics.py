@@ -6,8 +6,8 @@ The ecosystem's convention (vLLM and SGLang serve ``/metrics`` too), with the of
 - counted once per call, when its record is final (`MetricsAddon.call_finished`, a `CallSink`
   after the fidelity checks, so a record's flags are known): calls by dialect, harness, status and
   route; tokens sampled and prompted; time to first byte; fidelity flags by kind; upstream errors
-  by kind. `Call` end, not per chunk: a handful of dict look-ups and lock-protected adds (timed in
-  tests/test_metrics_e2e.py's docstring figure and docs);
+  by kind. At call end, not per chunk: a handful of dict look-ups and lock-protected adds (timed
+  by scripts/bench_metrics.py, docs/metrics.md "Cost");
 - read when scraped (`_Live`): calls in flight and waiting at a pause, whether paused, open
   rollouts, journal lag (records not yet in shards), shard flushes and failures. Nothing on the
   hot path.
@@ -53,6 +53,8 @@ _UPSTREAM_ERRORS = (
         "bad_reply",
     ),
 )
+# the User-Agent value in `CallRecord.headers_json` (json.dumps of lower-cased header names)
+_USER_AGENT = re.compile(r'"user-agent": "((?:[^"\\]|\\.)*)"')
 METRICS = {
     "polar_calls_total": "LLM calls finished, by dialect, harness, status and route",
     "polar_tokens_sampled_total": "tokens the policy sampled (output ids), by dialect",
@@ -143,25 +145,44 @@ class ProxyMetrics:
         )
         r.register(_Live(control, rollouts, store))
         self._harness: dict[str, str] = {}  # user-agent -> harness name
+        self._calls: dict[tuple[str, str, str, str], Any] = {}  # labels -> counter child
+        self._dialects: dict[str, tuple[Any, Any, Any]] = {}  # sampled, prompted, ttfb
 
     def record(self, record: CallRecord) -> None:
-        """Count one finished call (its final record)."""
+        """Count one finished call (its final record). Labelled children are cached: a
+        `labels()` look-up costs more than the increment itself."""
         dialect = record.dialect or "unknown"
-        harness = self._harness_of(record.headers_json)
-        self.calls.labels(dialect, harness, record.status, record.route or "chat").inc()
+        key = (
+            dialect,
+            self._harness_of(record.headers_json),
+            record.status,
+            record.route or "chat",
+        )
+        calls = self._calls.get(key)
+        if calls is None:
+            calls = self._calls[key] = self.calls.labels(*key)
+        calls.inc()
+        per = self._dialects.get(dialect)
+        if per is None:
+            per = self._dialects[dialect] = (
+                self.sampled.labels(dialect),
+                self.prompted.labels(dialect),
+                self.ttfb.labels(dialect),
+            )
         if record.output_token_ids:
-            self.sampled.labels(dialect).inc(len(record.output_token_ids))
+            per[0].inc(len(record.output_token_ids))
         if record.prompt_token_ids:
-            self.prompted.labels(dialect).inc(len(record.prompt_token_ids))
+            per[1].inc(len(record.prompt_token_ids))
         if record.first_byte_at is not None:
-            self.ttfb.labels(dialect).observe((record.first_byte_at - record.started_at) / 1e6)
+            per[2].observe((record.first_byte_at - record.started_at) / 1e6)
         for flag in record.fidelity_flags:
             self.flags.labels(flag).inc()
         if checked_with_tokenizer(record.fidelity_json):
             self.checked.inc()
-        kind = upstream_error_kind(record)
-        if kind is not None:
-            self.upstream_errors.labels(kind).inc()
+        if record.status == "error":
+            kind = upstream_error_kind(record)
+            if kind is not None:
+                self.upstream_errors.labels(kind).inc()
 
     def added_latency(self, call: Any) -> None:
         """The proxy's share of a call's time to first byte (an `exchange.Call` that ended):
@@ -175,11 +196,10 @@ class ProxyMetrics:
             self.added.observe(added / 1e6)
 
     def _harness_of(self, headers_json: str | None) -> str:
-        """The harness from the User-Agent, cached per User-Agent (a farm has a few)."""
-        try:
-            ua = str(json.loads(headers_json or "{}").get("user-agent", ""))
-        except (ValueError, AttributeError):
-            return "unknown"
+        """The harness from the User-Agent (found in the headers' JSON text without parsing it
+        all), cached per User-Agent: a farm has a few."""
+        found = _USER_AGENT.search(headers_json or "")
+        ua = json.loads(f'"{found.group(1)}"') if found else ""
         name = self._harness.get(ua)
         if name is None:
             name = harness_of_agent(ua)
