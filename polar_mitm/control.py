@@ -39,13 +39,16 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from aiohttp import web
 
 from .capture import CallRecord
 from .rollouts import RolloutError, Rollouts
+
+if TYPE_CHECKING:  # metrics.py imports prometheus_client: only when a proxy serves /metrics
+    from .metrics import MetricsAddon
 
 log = logging.getLogger(__name__)
 DEFAULT_HOST = "polar.control"
@@ -287,9 +290,9 @@ class ControlServer:
     """The control API on a port of its own (`polar_control_listen`), and ``GET /metrics``
     (Prometheus, `metrics.py`) when ``metrics`` is given."""
 
-    def __init__(self, api: ControlAPI, metrics: Any = None) -> None:
+    def __init__(self, api: ControlAPI, metrics: MetricsAddon | None = None) -> None:
         self.api = api
-        self.metrics = metrics  # a MetricsAddon: .metrics.exposition(), .public
+        self.metrics = metrics
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
 
