@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 import click
 from prometheus_client.parser import text_string_to_metric_families
-from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.table import Table
-from rich.text import Text
+
+from .listing import Column, Listing, emit, terminal_width
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -118,41 +117,49 @@ def _n(x: float) -> str:
     return f"{x:.0f}"
 
 
-def render(now: Sequence[Scrape], before: dict[str, Scrape]) -> RenderableType:
-    """The proxies table (one row each) and the calls by dialect / harness / route / status."""
-    proxies = Table(title="polar-mitm top", title_justify="left", box=box.SIMPLE_HEAD)
-    for name in (
-        "proxy",
-        "calls",
-        "calls/s",
-        "in flight",
-        "waiting",
-        "open rollouts",
-        "sampled",
-        "tok/s",
-        "ttfb p50 ms",
-        "added p50 ms",
-        "flags",
-        "upstream err",
-        "journal lag",
-        "shards",
-    ):
-        proxies.add_column(name, justify="left" if name == "proxy" else "right", no_wrap=True)
-    calls = Table(title="calls", title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("proxy", "dialect", "harness", "route", "status", "calls"):
-        calls.add_column(name, justify="right" if name == "calls" else "left", no_wrap=True)
+PROXY_COLUMNS = (
+    Column("proxy"),
+    Column("state", wraps=True),
+    Column("calls", numeric=True),
+    Column("calls/s", numeric=True, drop=10),
+    Column("in flight", numeric=True, drop=9),
+    Column("waiting", numeric=True, drop=7),
+    Column("open rollouts", numeric=True, drop=8),
+    Column("sampled", numeric=True, drop=4),
+    Column("tok/s", numeric=True, drop=5),
+    Column("ttfb p50 ms", numeric=True, drop=11),
+    Column("added p50 ms", numeric=True, drop=3),
+    Column("flags", numeric=True, drop=12),
+    Column("upstream err", numeric=True, drop=13),
+    Column("journal lag", numeric=True, drop=2),
+    Column("shards", numeric=True, drop=1),
+)
+CALL_COLUMNS = (
+    Column("proxy", drop=2),
+    Column("dialect"),
+    Column("harness"),
+    Column("route", drop=1),
+    Column("status"),
+    Column("calls", numeric=True),
+)
+
+
+def listings(now: Sequence[Scrape], before: dict[str, Scrape]) -> list[Listing]:
+    """The proxies (one row each) and the calls by dialect / harness / route / status."""
+    proxies = Listing("polar-mitm top", PROXY_COLUMNS)
+    calls = Listing("calls", CALL_COLUMNS)
     for s in now:
         if s.error:
-            proxies.add_row(s.url, Text(s.error, style="red"), *[""] * 12)
+            proxies.add(s.url, s.error, *["-"] * (len(PROXY_COLUMNS) - 2))
             continue
         prev = before.get(s.url)
-        paused = " (paused)" if s.total("polar_paused") else ""
-        proxies.add_row(
+        proxies.add(
             s.url,
+            "paused" if s.total("polar_paused") else "up",
             _n(s.total("polar_calls_total")),
             _rate(s, prev, "polar_calls_total"),
             _n(s.total("polar_calls_in_flight")),
-            _n(s.total("polar_calls_waiting")) + paused,
+            _n(s.total("polar_calls_waiting")),
             _n(s.total("polar_rollouts_open")),
             _n(s.total("polar_tokens_sampled_total")),
             _rate(s, prev, "polar_tokens_sampled_total"),
@@ -165,8 +172,14 @@ def render(now: Sequence[Scrape], before: dict[str, Scrape]) -> RenderableType:
         )
         by = s.by("polar_calls_total", "dialect", "harness", "route", "status")
         for (dialect, harness, route, status), n in sorted(by.items()):
-            calls.add_row(s.url, dialect, harness, route, status, _n(n))
-    return Group(proxies, calls)
+            calls.add(s.url, dialect, harness, route, status, _n(n))
+    return [proxies, calls]
+
+
+def render(now: Sequence[Scrape], before: dict[str, Scrape], console: Console) -> RenderableType:
+    """The listings fitted to the console (`listing.py`: urls and figures never cut)."""
+    width = terminal_width(console)
+    return Group(*(listing.table(width, console)[0] for listing in listings(now, before)))
 
 
 @click.command("top")
@@ -199,13 +212,13 @@ def top(
     console = Console()
     before: dict[str, Scrape] = {}
     if once:
-        console.print(render([scrape(u, token) for u in urls], before))
+        emit(listings([scrape(u, token) for u in urls], before), console=console)
         return
     try:
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
                 now = [scrape(u, token) for u in urls]
-                live.update(render(now, before), refresh=True)
+                live.update(render(now, before, console), refresh=True)
                 before = {s.url: s for s in now if not s.error}
                 time.sleep(interval)
     except KeyboardInterrupt:

@@ -294,8 +294,10 @@ def test_errors_a_user_meets_are_one_line(data, tmp_path):
 
 def test_every_command_has_complete_help():
     for command, needles in {
-        "summary": ["--json", "GRPO group"],
-        "calls": ["--rollout", "--json", "ttfb"],
+        "summary": ["--json", "--plain", "--groups", "GRPO group"],
+        "calls": ["--rollout", "--json", "--plain", "ttfb"],
+        "fidelity": ["--json", "--plain", "--examples"],
+        "top": ["--proxy", "--token", "--interval", "--once", "/metrics"],
         "show": ["--trace", "--ids", "--logprobs", "--tokenizer", "--pager", "main trace"],
         "export": ["slime", "verl", "nemo-gym", "jsonl", "--all", "--role", "--out"],
         "reward": ["rollout_id", "revision", "--skip-unknown", "--dry-run", "--journal"],
