@@ -216,6 +216,25 @@ def test_listings_keep_ids_whole_piped_and_at_any_width(data, truth, command):
     assert "no fidelity flags" not in piped
 
 
+def test_show_decodes_with_the_tokenizer_recorded_with_the_shards(copy, tmp_path):
+    """The proxy records polar_tokenizer in DIR/_polar_tokenizer.json: `show` uses it by itself;
+    --tokenizer overrides it; one that does not load here falls back to ids, saying why."""
+    from polar_mitm import tokenizer_record
+
+    plain = " ".join(run("show", str(copy), "loop.0", "--no-pager").stdout.split())
+    assert "showing ids" in plain and "<|im_start|>" not in plain  # none recorded
+    tokenizer_record.write(str(copy), QWEN, "hf", "proxy-1")
+    shown = run("show", str(copy), "loop.0", "--no-pager")
+    assert shown.returncode == 0, shown.stderr
+    assert f"decoded with {QWEN} (the proxy's polar_tokenizer)" in " ".join(shown.stdout.split())
+    assert "<|im_start|>assistant" in shown.stdout
+    override = run("show", str(copy), "loop.0", "--no-pager", "--tokenizer", QWEN)
+    assert "(the proxy's polar_tokenizer)" not in override.stdout
+    tokenizer_record.write(str(copy), str(tmp_path / "gone"), "hf")
+    gone = " ".join(run("show", str(copy), "loop.0", "--no-pager").stdout.split())
+    assert "the proxy's tokenizer does not load here" in gone and "showing ids" in gone
+
+
 def test_report_says_not_checked_without_a_tokenizer(data, tmp_path):
     """This session ran without polar_tokenizer: the page must not claim a clean bill."""
     page = tmp_path / "r.html"
