@@ -12,7 +12,9 @@ One class per concern, composed in `addons/polar.py`:
 - `CaptureAddon`: detects LLM calls on `polar_hosts`, sends them to the policy server through the
   in-process gateway, answers the other paths of those hosts;
 - `TrajectoryAddon`: merges each rollout's calls into traces, writes them when the rollout ends;
-- `ControlAddon`: the trainer's control plane (`control.py`) on a reserved host and/or a port.
+- `ControlAddon`: the trainer's control plane (`control.py`) on a reserved host and/or a port;
+- `MetricsAddon` (`metrics.py`): Prometheus ``/metrics`` on the control port;
+- `TokenizerRecordAddon` (`tokenizer_record.py`): records `polar_tokenizer` with the shards.
 """
 
 from __future__ import annotations
@@ -54,11 +56,13 @@ from .fidelity_check import FidelityStage
 from .fidelity_check import describe as describe_fidelity
 from .gateway import Gateway
 from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, resolve
+from .metrics import MetricsAddon, ProxyMetrics
 from .output_parsers import FAMILIES, family
 from .retokenize import Retokenizer
 from .rollouts import Rollouts
 from .store import Store
 from .tokencount import PromptCounter
+from .tokenizer_record import TokenizerRecordAddon
 from .trajectory import ALLOW_CHOICES
 from .upstream import UPSTREAMS, Upstream, kind_from_models
 
@@ -490,6 +494,7 @@ class CaptureAddon:
         self.served_model: str | None = None
         self.max_model_len: int | None = None  # the served model's, from GET /v1/models
         self.live: dict[str, Call] = {}
+        self.metrics: ProxyMetrics | None = None  # observes each call's added latency
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -837,6 +842,8 @@ class CaptureAddon:
         deliver(record, self.sinks)
 
     def _call_done(self, call: Call) -> None:
+        if self.metrics is not None:
+            self.metrics.added_latency(call)
         self.live.pop(call.record.call_id, None)
         self.gateway.drop(call.record.call_id)
         if call.record.http_status == 404 and not ctx.options.polar_model:
@@ -1026,8 +1033,10 @@ class ControlAddon:
         state: ControlState,
         rollouts: Rollouts,
         settle: Callable[[], Awaitable[None]] | None = None,
+        metrics: MetricsAddon | None = None,
     ) -> None:
         self.state = state
+        self.metrics = metrics  # GET /metrics on polar_control_listen
         self.api = ControlAPI(state, rollouts, settle)
         self.host = DEFAULT_HOST
         self.listen: tuple[str, int] | None = None
@@ -1080,7 +1089,7 @@ class ControlAddon:
 
     async def running(self) -> None:
         if self.listen is not None and self.server is None:
-            self.server = ControlServer(self.api)
+            self.server = ControlServer(self.api, self.metrics)
             try:
                 url = await self.server.start(*self.listen)
             except OSError as e:
@@ -1120,8 +1129,9 @@ def polar_addons() -> list[object]:
     store = StoreAddon()
     state = ControlState()
     trajectory = TrajectoryAddon(store, state, exact)
-    # merge, then fidelity checks (worker), then the store
-    stage = FidelityStage(trajectory.rollouts, [store])
+    # merge, then fidelity checks (worker), then the store and the metrics (final records)
+    metrics = MetricsAddon(state, trajectory.rollouts, store)
+    stage = FidelityStage(trajectory.rollouts, [store, metrics])
     fidelity = FidelityAddon(tokenizer, stage)
     capture = CaptureAddon(
         identity,
@@ -1131,7 +1141,8 @@ def polar_addons() -> list[object]:
         tokenizer=tokenizer,
         exact=exact,
     )
-    control = ControlAddon(state, trajectory.rollouts, settle=stage.drain)
+    capture.metrics = metrics.metrics
+    control = ControlAddon(state, trajectory.rollouts, settle=stage.drain, metrics=metrics)
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
     # calls, then pending retokenizations and fidelity checks drain, the trajectories write the
     # open rollouts, and only then does the store close.
@@ -1146,4 +1157,6 @@ def polar_addons() -> list[object]:
         fidelity,
         trajectory,
         store,
+        metrics,
+        TokenizerRecordAddon(tokenizer, store),  # after the store has started
     ]

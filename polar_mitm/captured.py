@@ -18,8 +18,8 @@ import pyarrow.dataset as ds
 from .store import SCHEMAS, dedupe, list_shards
 from .store.shards import resolve_output
 
-# Columns the summary, the calls table and the report need from calls/ (not the JSON bodies, not the
-# token lists: their lengths come from pyarrow without building Python lists).
+# Columns the summary, the calls table and the report need from calls/ (not the request/response
+# JSON, not the token lists: their lengths come from pyarrow without building Python lists).
 CALL_FIGURES = (
     "call_id",
     "rollout_id",
@@ -40,6 +40,7 @@ CALL_FIGURES = (
     "http_status",
     "error",
     "fidelity_flags",
+    "fidelity_json",  # only whether a check ran ("checked") is read from it
     "trainable",
 )
 # traces/ without the token arrays (num_policy_tokens / num_env_tokens carry their sums).

@@ -118,18 +118,32 @@ def _echo_json(value: object) -> None:
     click.echo(json.dumps(value, indent=2, default=str))
 
 
+PLAIN = click.option(
+    "--plain",
+    is_flag=True,
+    help="Tab-separated lines (a header, one line per row) instead of a table.",
+)
+
+
 @main.command(short_help="Rollouts and GRPO groups: calls, tokens, rewards.")
 @DIRECTORY
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (rollouts, groups, totals).")
-def summary(directory: str, as_json: bool) -> None:
+@PLAIN
+@click.option(
+    "--groups", "groups_only", is_flag=True, help="Only the GRPO groups (with --plain: their TSV)."
+)
+def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> None:
     """Per rollout and per GRPO group: calls, traces, tokens, breaks, flags, status, reward.
 
     DIR is the proxy's polar_output. Prompt / sampled tokens are the calls' id lists (calls/);
     policy / environment tokens are the traces' loss masks (traces/, written when a rollout
-    ends). --json prints {"rollouts": [...], "groups": [...], "totals": {...}}.
+    ends). --json prints {"rollouts": [...], "groups": [...], "totals": {...}}; --plain the
+    rollouts (--groups: the groups) as tab-separated lines. Piped, the tables come at their
+    full width; on a terminal columns are left out rather than ids cut (--json has them all).
     """
     from . import captured
-    from .cli_tables import summary_tables
+    from .cli_tables import group_listing, rollout_listing
+    from .listing import emit
     from .summary import summarize
 
     with _user_errors():
@@ -141,21 +155,27 @@ def summary(directory: str, as_json: bool) -> None:
     if as_json:
         _echo_json(result.as_dict())
         return
-    console.print(summary_tables(result, directory, console.width))
+    listings = [] if groups_only else [rollout_listing(result, directory)]
+    if result.groups and (groups_only or not plain):
+        listings.append(group_listing(result))
+    emit(listings, plain, console)
 
 
 @main.command(short_help="The calls table: tokens, latency, errors.")
 @DIRECTORY
 @click.option("--rollout", "-r", default=None, help="Only this rollout's calls.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object per call.")
-def calls(directory: str, rollout: str | None, as_json: bool) -> None:
+@PLAIN
+def calls(directory: str, rollout: str | None, as_json: bool, plain: bool) -> None:
     """The calls table: dialect, model, tokens, latency, time to first byte, status, error.
 
     One row per captured LLM call under DIR (the proxy's polar_output), in order of start.
     Latency is finished - started, ttfb the first byte the harness got - started (ms).
+    Call ids are whole; a terminal too narrow for every column gets fewer columns.
     """
     from . import captured
-    from .cli_tables import calls_table
+    from .cli_tables import calls_listing
+    from .listing import emit
     from .summary import call_rows
 
     with _user_errors():
@@ -166,7 +186,7 @@ def calls(directory: str, rollout: str | None, as_json: bool) -> None:
     if as_json:
         _echo_json(rows)
         return
-    console.print(calls_table(rows, directory))
+    emit([calls_listing(rows, directory)], plain, console)
 
 
 def _known(directory: str) -> str:
@@ -191,6 +211,32 @@ TOKENIZER = click.option(
     "(env POLAR_TOKENIZER). Default: the served model's tokenizer if it is in the local "
     "Hugging Face cache.",
 )
+
+
+def _show_tokenizer(
+    directory: str, spec: str | None, call_list: list[dict]
+) -> tuple[object | None, str]:
+    """The tokenizer `show` decodes with and a note saying which: ``--tokenizer``, else the one
+    the proxy recorded with the shards (`tokenizer_record`), else the served model's tokenizer
+    from the local Hugging Face cache; None (ids shown) when none loads."""
+    from . import tokenizer_record
+    from .tokens import TokenizerError, resolve
+
+    if spec:
+        tok, where = resolve(spec)
+        return tok, f"decoded with {where}"
+    recorded = tokenizer_record.read(directory)
+    problem = ""
+    if recorded is not None:
+        try:
+            tok, where = resolve(recorded["spec"])
+            return tok, f"decoded with {where} (the proxy's polar_tokenizer)"
+        except TokenizerError as e:
+            problem = f"the proxy's tokenizer does not load here ({e}); "
+    tok, where = resolve(None, [c.get("model_served") for c in call_list])
+    if tok is not None:
+        return tok, f"{problem}decoded with {where}"
+    return None, f"{problem}no tokenizer (--tokenizer): showing ids"
 
 
 @main.command(short_help="One trace, policy vs environment tokens in colour.")
@@ -223,11 +269,13 @@ def show(
     each call boundary with the tokens it added and sampled; the header gives the trace's role,
     break reason and evidence, and lists the rollout's other traces. Without ROLLOUT, DIR must
     hold one rollout. Without --trace, the rollout's main trace (the main agent's root chain).
-    Without a tokenizer, token ids are shown instead of text.
+    The tokenizer: --tokenizer, else the one the proxy recorded with the shards (its
+    polar_tokenizer), else the served model's from the local Hugging Face cache; without one,
+    token ids are shown instead of text.
     """
     from . import captured
     from .show import render
-    from .tokens import resolve, token_pieces
+    from .tokens import token_pieces
     from .traceview import pick_trace
 
     if rollout_arg and rollout_opt and rollout_arg != rollout_opt:
@@ -255,9 +303,8 @@ def show(
             chosen = pick_trace(traces, trace)
         except LookupError as e:
             fail(str(e))
-        tok, where = resolve(tokenizer, [c.get("model_served") for c in call_list])
+        tok, note = _show_tokenizer(directory, tokenizer, call_list)
         pieces = token_pieces(tok, chosen["input_ids"]) if tok else None
-        note = f"decoded with {where}" if tok else "no tokenizer (--tokenizer): showing ids"
         parts = render(
             chosen,
             traces,
@@ -495,6 +542,7 @@ def recover(directory: str, journal: str | None) -> None:
 def _register_optional() -> None:
     """Commands whose modules are written separately, imported when they are run."""
     LazyGroup.lazy["policy-server"] = "polar_mitm.policy_server.cli:policy_server"
+    LazyGroup.lazy["top"] = "polar_mitm.top:top"
 
 
 _register_optional()

@@ -1,18 +1,13 @@
-"""The rich tables `polar-mitm summary` and `polar-mitm calls` print (figures from `summary`)."""
+"""The listings `polar-mitm summary` and `polar-mitm calls` print (figures from `summary`);
+`listing.py` fits them to a terminal, a pipe or ``--plain``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from rich import box
-from rich.console import Group, RenderableType
-from rich.table import Table
-
-from .summary import Summary
-
-WIDE = {"error": 20, "breaks": 10, "rollout": 8}
-NO_WRAP = ("call", "started")
+from .listing import Column, Listing
+from .summary import RolloutSummary, Summary
 
 
 def _counts(d: dict[str, int]) -> str:
@@ -23,161 +18,147 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 
 
-def _table(title: str, columns: Sequence[str], numeric: Sequence[str]) -> Table:
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in columns:
-        right = name in numeric
-        table.add_column(
-            name,
-            justify="right" if right else "left",
-            overflow="fold",
-            no_wrap=name in NO_WRAP,
-            min_width=WIDE.get(name),
-        )
-    return table
+def fidelity_cell(flags: dict[str, int], checked: int) -> str:
+    """The flags of some calls, or "none" when they were checked and carry none; "not checked"
+    when no check ran (no polar_tokenizer, polar_fidelity=off): never "no flags" then."""
+    if flags:
+        return _counts(flags)
+    return "none" if checked else "not checked"
 
 
+# name, numeric, wraps, drop order on a narrow terminal (1 first; 0 never)
 ROLLOUT_COLUMNS = (
-    "rollout",
-    "group",
-    "calls",
-    "err",
-    "prompt",
-    "sampled",
-    "traces",
-    "policy",
-    "env",
-    "breaks",
-    "flags",
-    "status",
-    "reward",
-    "trainable",
+    Column("rollout"),
+    Column("group", drop=3),
+    Column("calls", numeric=True),
+    Column("err", numeric=True, drop=9),
+    Column("prompt", numeric=True, drop=4),
+    Column("sampled", numeric=True, drop=8),
+    Column("traces", numeric=True, drop=2),
+    Column("policy", numeric=True, drop=7),
+    Column("env", numeric=True, drop=1),
+    Column("breaks", wraps=True, drop=5),
+    Column("flags", wraps=True, drop=6),
+    Column("status", drop=10),
+    Column("reward", numeric=True, drop=11),
+    Column("trainable", wraps=True, drop=12),
 )
-# what a terminal narrower than WIDE_TERMINAL gets (--json has every figure)
-NARROW_COLUMNS = (
-    "rollout",
-    "calls",
-    "err",
-    "sampled",
-    "policy",
-    "breaks",
-    "status",
-    "reward",
-    "trainable",
+GROUP_COLUMNS = (
+    Column("group"),
+    Column("rollouts", numeric=True),
+    Column("calls", numeric=True, drop=2),
+    Column("traces", numeric=True, drop=1),
+    Column("sampled", numeric=True, drop=3),
+    Column("rewarded", numeric=True, drop=4),
+    Column("mean", numeric=True),
+    Column("std", numeric=True),
+    Column("min", numeric=True, drop=5),
+    Column("max", numeric=True, drop=6),
+    Column("trainable", drop=7),
+    Column("status", wraps=True, drop=8),
 )
-WIDE_TERMINAL = 150
-NUMERIC = ("calls", "err", "prompt", "sampled", "traces", "policy", "env", "reward")
 
 
-def summary_tables(summary: Summary, source: str, width: int = WIDE_TERMINAL) -> RenderableType:
-    """Rollouts (with a totals row), then GRPO groups; fewer columns on a narrow terminal."""
-    columns = ROLLOUT_COLUMNS if width >= WIDE_TERMINAL else NARROW_COLUMNS
-    rollouts = _table(f"polar-mitm capture: {source}", columns, NUMERIC)
+def _rollout_cells(r: RolloutSummary) -> list[object]:
+    trainable = "yes" if r.trainable else ("no: " + ", ".join(r.untrainable) if r.traces else "-")
+    return [
+        r.rollout_id,
+        r.group_id or "-",
+        r.calls,
+        r.errors,
+        r.prompt_tokens,
+        r.output_tokens,
+        r.traces,
+        r.policy_tokens,
+        r.env_tokens,
+        _counts(r.break_reasons),
+        fidelity_cell(r.fidelity_flags, r.fidelity_checked) if r.calls else "-",
+        r.status or "open",
+        _num(r.reward),
+        trainable,
+    ]
+
+
+def rollout_listing(summary: Summary, source: str) -> Listing:
+    """Rollouts, with a totals row."""
+    listing = Listing(f"polar-mitm capture: {source}", ROLLOUT_COLUMNS)
     for r in summary.rollouts:
-        trainable = (
-            "yes" if r.trainable else ("no: " + ", ".join(r.untrainable) if r.traces else "-")
-        )
-        row = {
-            "rollout": r.rollout_id,
-            "group": r.group_id or "-",
-            "calls": r.calls,
-            "err": r.errors,
-            "prompt": r.prompt_tokens,
-            "sampled": r.output_tokens,
-            "traces": r.traces,
-            "policy": r.policy_tokens,
-            "env": r.env_tokens,
-            "breaks": _counts(r.break_reasons),
-            "flags": _counts(r.fidelity_flags),
-            "status": r.status or "open",
-            "reward": _num(r.reward),
-            "trainable": trainable,
-        }
-        rollouts.add_row(*(str(row[c]) for c in columns))
+        listing.add(*_rollout_cells(r))
     t = summary.totals
-    rollouts.add_section()
-    total = {
-        "rollout": f"total ({t['rollouts']})",
-        "group": str(t["groups"]),
-        "calls": t["calls"],
-        "err": t["errors"],
-        "prompt": t["prompt_tokens"],
-        "sampled": t["output_tokens"],
-        "traces": t["traces"],
-        "policy": t["policy_tokens"],
-        "env": t["env_tokens"],
-        "breaks": _counts(t["break_reasons"]),
-        "flags": _counts(t["fidelity_flags"]),
-        "status": "",
-        "reward": f"{t['rewarded']} rewarded",
-        "trainable": f"{t['trainable_traces']}/{t['traces']} traces",
-    }
-    rollouts.add_row(*(str(total[c]) for c in columns))
-    parts: list[RenderableType] = [rollouts]
-    if summary.groups:
-        groups = _table(
-            "GRPO groups (reward std: population, as GRPO normalizes)",
-            (
-                "group",
-                "rollouts",
-                "calls",
-                "traces",
-                "sampled",
-                "rewarded",
-                "mean",
-                "std",
-                "min",
-                "max",
-                "trainable",
-                "status",
-            ),
-            ("rollouts", "calls", "traces", "sampled", "rewarded", "mean", "std", "min", "max"),
+    total = [
+        f"total ({t['rollouts']})",
+        t["groups"],
+        t["calls"],
+        t["errors"],
+        t["prompt_tokens"],
+        t["output_tokens"],
+        t["traces"],
+        t["policy_tokens"],
+        t["env_tokens"],
+        _counts(t["break_reasons"]),
+        fidelity_cell(t["fidelity_flags"], t["fidelity_checked"]),
+        "",
+        f"{t['rewarded']} rewarded",
+        f"{t['trainable_traces']}/{t['traces']} traces",
+    ]
+    listing.totals.append([str(c) for c in total])
+    return listing
+
+
+def group_listing(summary: Summary) -> Listing:
+    """GRPO groups: rewards and how many rollouts are trainable."""
+    listing = Listing("GRPO groups (reward std: population, as GRPO normalizes)", GROUP_COLUMNS)
+    for g in summary.groups:
+        listing.add(
+            g.group_id,
+            len(g.rollouts),
+            g.calls,
+            g.traces,
+            g.output_tokens,
+            g.rewarded,
+            _num(g.reward_mean),
+            _num(g.reward_std),
+            _num(g.reward_min),
+            _num(g.reward_max),
+            f"{g.trainable_rollouts}/{len(g.rollouts)}",
+            _counts(g.statuses),
         )
-        for g in summary.groups:
-            groups.add_row(
-                g.group_id,
-                str(len(g.rollouts)),
-                str(g.calls),
-                str(g.traces),
-                str(g.output_tokens),
-                str(g.rewarded),
-                _num(g.reward_mean),
-                _num(g.reward_std),
-                _num(g.reward_min),
-                _num(g.reward_max),
-                f"{g.trainable_rollouts}/{len(g.rollouts)}",
-                _counts(g.statuses),
-            )
-        parts.append(groups)
-    return Group(*parts)
+    return listing
+
+
+def summary_listings(summary: Summary, source: str) -> list[Listing]:
+    """Rollouts (with a totals row), then GRPO groups when there are any."""
+    listings = [rollout_listing(summary, source)]
+    if summary.groups:
+        listings.append(group_listing(summary))
+    return listings
 
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
-def calls_table(rows: Sequence[dict[str, Any]], source: str) -> Table:
-    """One row per call (ids shortened to 8 characters; --json has them whole)."""
-    table = _table(
-        f"calls: {source}",
-        (
-            "started",
-            "rollout",
-            "call",
-            "dialect",
-            "purpose",
-            "model",
-            "prompt",
-            "sampled",
-            "ms",
-            "ttfb",
-            "status",
-            "finish",
-            "flags",
-            "error",
-        ),
-        ("prompt", "sampled", "ms", "ttfb"),
-    )
+CALL_COLUMNS = (
+    Column("started", drop=5),
+    Column("rollout"),
+    Column("call"),
+    Column("dialect", drop=10),
+    Column("purpose", drop=3),
+    Column("model", wraps=True, drop=2),
+    Column("prompt", numeric=True, drop=9),
+    Column("sampled", numeric=True, drop=12),
+    Column("ms", numeric=True, drop=8),
+    Column("ttfb", numeric=True, drop=6),
+    Column("status", drop=11),
+    Column("finish", drop=4),
+    Column("flags", wraps=True, drop=7),
+    Column("error", wraps=True, drop=1),
+)
+
+
+def calls_listing(rows: Sequence[dict[str, Any]], source: str) -> Listing:
+    """One row per call, ids whole, with a totals row."""
+    listing = Listing(f"calls: {source}", CALL_COLUMNS)
     for r in rows:
         model = r["model_requested"] or "-"
         if r["model_served"] and r["model_served"] != r["model_requested"]:
@@ -185,37 +166,28 @@ def calls_table(rows: Sequence[dict[str, Any]], source: str) -> Table:
         status = r["status"] or "-"
         if r["http_status"] and r["http_status"] != 200:
             status += f" ({r['http_status']})"
-        table.add_row(
+        flags = {f: 1 for f in r["fidelity_flags"]}
+        listing.add(
             (r["started_at"] or "-")[11:23],
             r["rollout_id"],
-            r["call_id"][:8],
+            r["call_id"],
             r["dialect"] or "-",
             r["purpose"] or "-",
             model,
-            str(r["prompt_tokens"]),
-            str(r["output_tokens"]),
+            r["prompt_tokens"],
+            r["output_tokens"],
             _ms(r["latency_ms"]),
             _ms(r["ttfb_ms"]),
             status,
             r["finish_reason"] or "-",
-            ", ".join(r["fidelity_flags"]) or "-",
+            fidelity_cell(flags, r["fidelity_checked"]),
             r["error"] or "",
         )
-    table.add_section()
-    table.add_row(
-        "total",
-        "",
-        str(len(rows)),
-        "",
-        "",
-        "",
+    total = ["", "total", str(len(rows)), "", "", ""]
+    total += [
         str(sum(r["prompt_tokens"] for r in rows)),
         str(sum(r["output_tokens"] for r in rows)),
-        "",
-        "",
-        f"{sum(r['status'] != 'completed' for r in rows)} failed",
-        "",
-        "",
-        "",
-    )
-    return table
+    ]
+    total += ["", "", f"{sum(r['status'] != 'completed' for r in rows)} failed", "", "", ""]
+    listing.totals.append(total)
+    return listing

@@ -21,6 +21,8 @@ with a wrong or missing one it answers 401 and changes nothing. Endpoints (JSON 
     GET  /v1/rollouts/{id}               one rollout's summary
     GET  /v1/rollouts/{id}/traces        its traces as JSON (a snapshot while open)
     POST /v1/rollouts/{id}/end {"reward": 1.0, "status": "completed"}
+    GET  /metrics                        Prometheus text format (the port only; metrics.py):
+                                         no token needed when polar_metrics_public
 
 `ControlClient` is the trainer's side of it (standard library only).
 """
@@ -37,13 +39,16 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from aiohttp import web
 
 from .capture import CallRecord
 from .rollouts import RolloutError, Rollouts
+
+if TYPE_CHECKING:  # metrics.py imports prometheus_client: only when a proxy serves /metrics
+    from .metrics import MetricsAddon
 
 log = logging.getLogger(__name__)
 DEFAULT_HOST = "polar.control"
@@ -171,6 +176,14 @@ class ControlAPI:
         except RolloutError as e:
             return e.status, {"error": {"message": e.message, "status": e.status}}
 
+    def refusal(self, headers: Mapping[str, str]) -> _Refused | None:
+        """Why a request with these headers is refused (403 / 401), or None."""
+        try:
+            self._authorize(headers)
+        except _Refused as e:
+            return e
+        return None
+
     def _authorize(self, headers: Mapping[str, str]) -> None:
         if not self.token:
             raise _Refused(
@@ -274,10 +287,12 @@ def encode(status: int, obj: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
 
 
 class ControlServer:
-    """The control API on a port of its own (`polar_control_listen`)."""
+    """The control API on a port of its own (`polar_control_listen`), and ``GET /metrics``
+    (Prometheus, `metrics.py`) when ``metrics`` is given."""
 
-    def __init__(self, api: ControlAPI) -> None:
+    def __init__(self, api: ControlAPI, metrics: MetricsAddon | None = None) -> None:
         self.api = api
+        self.metrics = metrics
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
 
@@ -299,11 +314,27 @@ class ControlServer:
             self._runner = None
 
     async def _handle(self, request: web.Request) -> web.Response:
+        if request.path == "/metrics" and self.metrics is not None:
+            return self._metrics(request)
         status, obj = await self.api.handle(
             request.method, request.raw_path, request.headers, await request.read()
         )
         body, headers = encode(status, obj)
         return web.Response(status=status, body=body, headers=headers)
+
+    def _metrics(self, request: web.Request) -> web.Response:
+        """The Prometheus text format; the control token unless polar_metrics_public."""
+        refused = None if self.metrics.public else self.api.refusal(request.headers)
+        if refused is None and request.method not in ("GET", "HEAD"):
+            refused = _Refused(405, f"use GET here, not {request.method}")
+        if refused is not None:
+            obj = {"error": {"message": refused.message, "status": refused.status}}
+            body, headers = encode(refused.status, obj)
+            return web.Response(status=refused.status, body=body, headers=headers)
+        from .metrics import CONTENT_TYPE
+
+        body = self.metrics.metrics.exposition()
+        return web.Response(body=body, headers={"content-type": CONTENT_TYPE})
 
 
 def parse_listen(value: str) -> tuple[str, int]:

@@ -136,6 +136,10 @@ class Call:
         self._finished = False
         self._abort = ("client_aborted", "the harness closed the connection")
         self._receipts: list[Any] = []  # from the sinks: done once the record is durable
+        # when the upstream request went out and its first body bytes came (µs): the
+        # upstream's own time to first byte, for the added-latency metric (metrics.py)
+        self.upstream_sent_at: int | None = None
+        self.upstream_first_at: int | None = None
 
     # -- driving the call -------------------------------------------------------------------
 
@@ -189,6 +193,7 @@ class Call:
                 sock_read=self.settings.stall_timeout,
             )
             for retry in (False, True):
+                self.upstream_sent_at = now_us()
                 async with session.post(url, json=body, timeout=timeout) as resp:
                     if resp.status != 200:
                         failure = await self._upstream_error(resp)
@@ -243,6 +248,8 @@ class Call:
         await out.start(200, translator.content_type)
         done = False
         async for data in resp.content.iter_any():
+            if self.upstream_first_at is None:
+                self.upstream_first_at = now_us()
             pieces = []
             try:
                 for event in parser.feed(data):
@@ -286,6 +293,7 @@ class Call:
     async def _relay_reply(self, resp: aiohttp.ClientResponse, out: Output) -> None:
         try:
             raw = await resp.read()
+            self.upstream_first_at = now_us()
             reply = _json_value(raw.decode("utf-8"), "reply")
         except (UnicodeDecodeError, RecursionError, ValueError) as e:
             raise UpstreamFailed(f"upstream reply is not valid JSON: {e}") from None

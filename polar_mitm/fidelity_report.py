@@ -25,6 +25,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .drift import FLAGS
+from .listing import Column, Listing, emit
+from .summary import checked_with_tokenizer
 
 _UA_RULES = (
     (re.compile(r"codex", re.I), "codex"),
@@ -41,7 +43,11 @@ def harness_of(headers_json: str | None) -> str:
         headers = json.loads(headers_json or "{}")
     except ValueError:
         headers = {}
-    ua = str(headers.get("user-agent", "")) if isinstance(headers, dict) else ""
+    return harness_of_agent(str(headers.get("user-agent", "")) if isinstance(headers, dict) else "")
+
+
+def harness_of_agent(ua: str) -> str:
+    """The harness a User-Agent names."""
     for pattern, name in _UA_RULES:
         if pattern.search(ua):
             return name
@@ -95,7 +101,8 @@ class Group:
     dialect: str
     harness: str
     calls: int = 0
-    checked: int = 0
+    checked: int = 0  # any check ran (without a tokenizer: token positions only)
+    with_tokenizer: int = 0  # the checks ran with the policy tokenizer
     policy_tokens: int = 0
     wrong: int = 0
     flags: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FLAGS, 0))
@@ -111,6 +118,7 @@ class Group:
             "harness": self.harness,
             "calls": self.calls,
             "checked": self.checked,
+            "checked_with_tokenizer": self.with_tokenizer,
             "flags": dict(self.flags),
             "policy_tokens": self.policy_tokens,
             "wrong_policy_tokens": self.wrong,
@@ -144,6 +152,7 @@ def fidelity_report(rows: list[dict[str, Any]]) -> tuple[list[Group], Group, lis
         if "checked" not in data:
             continue
         group.checked += 1
+        group.with_tokenizer += checked_with_tokenizer(row.get("fidelity_json"))
         group.policy_tokens += len(row.get("output_token_ids") or ())
         for flag in row.get("fidelity_flags") or ():
             if flag in group.flags:
@@ -160,6 +169,7 @@ def fidelity_report(rows: list[dict[str, Any]]) -> tuple[list[Group], Group, lis
     for g in groups.values():
         total.calls += g.calls
         total.checked += g.checked
+        total.with_tokenizer += g.with_tokenizer
         total.policy_tokens += g.policy_tokens
         total.wrong += g.wrong
         for flag, n in g.flags.items():
@@ -180,12 +190,19 @@ def _pct(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.2f}%"
 
 
-def _table(groups: list[Group], total: Group, directory: str) -> Table:
-    table = Table(title=f"polar-mitm token fidelity: {directory}")
-    table.add_column("dialect")
-    table.add_column("harness")
-    for name in ("calls", "checked", *FLAGS, "policy tokens", "wrong", "wrong %"):
-        table.add_column(name.replace("_", " "), justify="right")
+def _listing(groups: list[Group], total: Group, directory: str) -> Listing:
+    # a narrow terminal loses the flag columns first (the last flag first), then the counts
+    # the headline repeats; --json and --plain have them all
+    drop = {f: len(FLAGS) - i for i, f in enumerate(FLAGS)}
+    drop.update(
+        {"policy tokens": len(FLAGS) + 2, "wrong": len(FLAGS) + 1, "checked": len(FLAGS) + 3}
+    )
+    names = ("calls", "checked", "with tokenizer", *FLAGS, "policy tokens", "wrong", "wrong %")
+    columns = [Column("dialect"), Column("harness")]
+    columns += [
+        Column(name.replace("_", " "), numeric=True, drop=drop.get(name, 0)) for name in names
+    ]
+    listing = Listing(f"polar-mitm token fidelity: {directory}", columns)
 
     def row(g: Group) -> list[str]:
         return [
@@ -193,17 +210,16 @@ def _table(groups: list[Group], total: Group, directory: str) -> Table:
             g.harness,
             str(g.calls),
             str(g.checked),
+            str(g.with_tokenizer),
             *(str(g.flags[f]) for f in FLAGS),
             str(g.policy_tokens),
             str(g.wrong),
             _pct(g.share),
         ]
 
-    for g in groups:
-        table.add_row(*row(g))
-    table.add_section()
-    table.add_row(*row(total))
-    return table
+    listing.rows = [row(g) for g in groups]
+    listing.totals.append(row(total))
+    return listing
 
 
 def _show(tokens: list[str], theirs: list[str], style: str) -> Text:
@@ -260,7 +276,8 @@ def fail(message: str) -> None:
     help="Also show the first N flagged differences, sampled vs retokenized tokens side by side.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def fidelity(directory: str, n_examples: int, as_json: bool) -> None:
+@click.option("--plain", is_flag=True, help="Tab-separated lines, one per dialect and harness.")
+def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> None:
     """Token fidelity of the calls captured under DIRECTORY (polar_output): per dialect and
     harness, the calls checked and flagged, and the share of policy tokens a
     retokenize-the-text pipeline would have got wrong."""
@@ -300,11 +317,16 @@ def fidelity(directory: str, n_examples: int, as_json: bool) -> None:
         }
         click.echo(json.dumps(out, indent=2, default=str))
         return
+    if plain:
+        emit([_listing(groups, total, directory)], plain=True)
+        return
     console = Console()
-    console.print(_table(groups, total, directory))
-    if total.checked == 0:
+    emit([_listing(groups, total, directory)], console=console)
+    if total.with_tokenizer == 0:
+        only = f"; {total.checked} call(s) had token positions compared" if total.checked else ""
         console.print(
-            "No call was checked (polar_fidelity=off, or the records predate the checks)."
+            "Fidelity: not checked. No call was checked with the policy tokenizer (the proxy had "
+            f"no polar_tokenizer, polar_fidelity=off, or the records predate the checks{only})."
         )
     else:
         console.print(

@@ -191,6 +191,11 @@ def _flags(
                 f'<span class="badge bad" title="{_e(t["trace_id"])}">untrainable: '
                 f"{_e(t.get('untrainable_reason'))}</span>"
             )
+    unchecked = '<span class="badge">fidelity not checked</span>'
+    if r.calls and not r.fidelity_checked:  # no check ran: absence of flags says nothing
+        if not parts and r.traces:
+            return unchecked + '<span class="badge good">every trace trainable</span>'
+        return unchecked + "".join(parts)
     if not parts:
         return (
             '<span class="badge good">no fidelity flags, every trace trainable</span>'
@@ -253,7 +258,11 @@ def render(
         ("sampled tokens", t["output_tokens"]),
         ("policy tokens", t["policy_tokens"]),
         ("environment tokens", t["env_tokens"]),
-        ("flagged calls", sum(t["fidelity_flags"].values())),
+        (
+            "flagged calls",
+            sum(t["fidelity_flags"].values()) if t["fidelity_checked"] else "not checked",
+        ),
+        ("fidelity-checked calls", t["fidelity_checked"]),
     ]
     by_rollout_calls: dict[str, list[dict[str, Any]]] = {}
     for c in calls:

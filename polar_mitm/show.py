@@ -21,6 +21,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from .summary import checked_with_tokenizer
 from .traceview import Segment, segments
 
 ENV_STYLE = Style(color="cyan")
@@ -77,8 +78,38 @@ def _short(value: Any, width: int = 90) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
+def fidelity_line(trace: dict[str, Any], calls: dict[str, dict[str, Any]]) -> str:
+    """What the proxy's fidelity checks said about this trace, or "not checked" when none ran
+    with the policy tokenizer on its calls: a trace without flags is only clean if checked."""
+    ids = trace.get("call_ids") or []
+    checked = sum(checked_with_tokenizer(calls.get(i, {}).get("fidelity_json")) for i in ids)
+    if not checked:
+        return "not checked (the proxy had no polar_tokenizer, or polar_fidelity=off)"
+    try:
+        data = json.loads(trace.get("fidelity_json") or "null")
+    except ValueError:
+        data = None
+    data = data if isinstance(data, dict) else {}
+    flags = data.get("flags") or {f: [] for f in trace.get("fidelity_flags") or ()}
+    found = [f"⚑ {f}" + (f" ({len(i)} call(s))" if i else "") for f, i in flags.items()]
+    # drift in this trace's turns is flagged on the later call that re-rendered them
+    found += [
+        f"⚑ {f} (seen by {len(i)} later call(s))"
+        for f, i in (data.get("observed") or {}).items()
+        if f not in flags
+    ]
+    wrong = data.get("policy_tokens_wrong") or 0
+    return (
+        f"checked {checked}/{len(ids)} calls: {', '.join(found) or 'no flags'}; {wrong} policy "
+        "token(s) a retokenize-the-text pipeline would get wrong"
+    )
+
+
 def header(
-    trace: dict[str, Any], others: Sequence[dict[str, Any]], tokenizer_note: str
+    trace: dict[str, Any],
+    others: Sequence[dict[str, Any]],
+    tokenizer_note: str,
+    calls: dict[str, dict[str, Any]] | None = None,
 ) -> RenderableType:
     """Who the trace is: rollout, role, break reason and evidence, sizes, reward, trainability;
     and the rollout's other traces (pick one with ``--trace``)."""
@@ -121,8 +152,7 @@ def header(
             "yes" if trace.get("trainable") else f"no: {trace.get('untrainable_reason')}",
         ),
     ]
-    if trace.get("fidelity_flags"):
-        rows.append(("fidelity", ", ".join(trace["fidelity_flags"])))
+    rows.append(("fidelity", fidelity_line(trace, calls or {})))
     legend = Text()
     legend.append("environment (mask 0)", ENV_STYLE)
     legend.append("  ")
@@ -187,7 +217,7 @@ def render(
     tokenizer_note: str = "",
 ) -> list[RenderableType]:
     segs = segments(trace)
-    out: list[RenderableType] = [header(trace, others, tokenizer_note)]
+    out: list[RenderableType] = [header(trace, others, tokenizer_note, calls)]
     reason = trace.get("break_reason") or "-"
     opens = f"break {reason}"
     if trace.get("parent_trace_id"):

@@ -10,6 +10,7 @@ table. Tables may hold only the columns `captured.CALL_FIGURES` / `TRACE_FIGURES
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ class RolloutSummary:
     roles: dict[str, int] = field(default_factory=dict)
     break_reasons: dict[str, int] = field(default_factory=dict)
     fidelity_flags: dict[str, int] = field(default_factory=dict)  # calls carrying each flag
+    fidelity_checked: int = 0  # calls checked with a tokenizer (0: "not checked", not "no flags")
     status: str | None = None  # how the rollout ended (its traces' status); None: not ended yet
     reward: float | None = None  # the latest trace's reward
     trainable_traces: int = 0
@@ -96,6 +98,27 @@ def _col(table: pa.Table, column: str) -> list[Any]:
     return table[column].to_pylist()
 
 
+# A call whose fidelity checks ran with the policy tokenizer: `fidelity_check.apply_findings`
+# writes {"checked": {"mode": ..., "tokenizer": "<spec>"}}. Without a tokenizer ("tokenizer":
+# null) only token positions are compared, not what the text would retokenize to: such a call
+# counts as not checked, so no listing says "no flags" for it.
+CHECKED_WITH_TOKENIZER = r'"checked": \{"mode": "[a-z]+", "tokenizer": "'
+_CHECKED = re.compile(CHECKED_WITH_TOKENIZER)
+
+
+def checked_with_tokenizer(fidelity_json: str | None) -> bool:
+    """Did a fidelity check with the policy tokenizer run on this call (its ``fidelity_json``)?"""
+    return bool(fidelity_json) and _CHECKED.search(fidelity_json) is not None
+
+
+def _checked(table: pa.Table) -> list[bool]:
+    """Per call: `checked_with_tokenizer`, computed by pyarrow over the column."""
+    if "fidelity_json" not in table.column_names:
+        return [False] * table.num_rows
+    found = pc.match_substring_regex(table["fidelity_json"], CHECKED_WITH_TOKENIZER)
+    return pc.fill_null(found, False).to_pylist()
+
+
 def _count(d: dict[str, int], key: str, n: int = 1) -> None:
     d[key] = d.get(key, 0) + n
 
@@ -125,6 +148,7 @@ def _add_calls(out: dict[str, RolloutSummary], calls: pa.Table) -> None:
     samples, statuses = _col(calls, "sample_index"), _col(calls, "status")
     dialects, sources = _col(calls, "dialect"), _col(calls, "ids_source")
     flags = _col(calls, "fidelity_flags")
+    checked = _checked(calls)
     for i in order:
         s = out.get(rollouts[i])
         if s is None:
@@ -142,6 +166,7 @@ def _add_calls(out: dict[str, RolloutSummary], calls: pa.Table) -> None:
             s.dialects.append(dialects[i])
         for flag in flags[i] or ():
             _count(s.fidelity_flags, flag)
+        s.fidelity_checked += checked[i]
 
 
 def _add_traces(out: dict[str, RolloutSummary], traces: pa.Table) -> None:
@@ -227,6 +252,7 @@ def _totals(rollouts: list[RolloutSummary], groups: list[GroupSummary]) -> dict[
         "policy_tokens",
         "env_tokens",
         "trainable_traces",
+        "fidelity_checked",
     ):
         totals[name] = sum(getattr(r, name) for r in rollouts)
     totals["rewarded"] = sum(r.reward is not None for r in rollouts)
@@ -255,8 +281,14 @@ def call_rows(calls: pa.Table) -> list[dict[str, Any]]:
     calls = calls.take(pc.sort_indices(calls, [("started_at", "ascending")]))
     prompt_len = _lengths(calls, "prompt_token_ids")
     output_len = _lengths(calls, "output_token_ids")
+    checked = _checked(calls)
+    dropped = [
+        c
+        for c in ("prompt_token_ids", "output_token_ids", "fidelity_json")
+        if c in calls.column_names
+    ]
     out = []
-    for i, c in enumerate(calls.drop_columns(["prompt_token_ids", "output_token_ids"]).to_pylist()):
+    for i, c in enumerate(calls.drop_columns(dropped).to_pylist()):
         out.append(
             {
                 "call_id": c["call_id"],
@@ -275,6 +307,7 @@ def call_rows(calls: pa.Table) -> list[dict[str, Any]]:
                 "finish_reason": c.get("finish_reason"),
                 "ids_source": c.get("ids_source"),
                 "fidelity_flags": c.get("fidelity_flags") or [],
+                "fidelity_checked": checked[i],
                 "error": c.get("error"),
             }
         )

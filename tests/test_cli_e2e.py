@@ -157,8 +157,123 @@ def test_summary_table_in_a_real_process(data, truth):
     narrow = run("summary", str(data), COLUMNS="100")
     assert narrow.returncode == 0
     assert all(len(line) <= 100 for line in narrow.stdout.splitlines())
-    line = next(ln for ln in narrow.stdout.splitlines() if ln.strip().startswith("loop.0"))
-    assert line.split()[1:5] == [str(len(calls)), "0", str(sampled(calls)), str(sampled(calls))]
+    cells = row_cells(narrow.stdout, "loop.0", "rollout")
+    assert cells["calls"] == str(len(calls)) and cells["sampled"] == str(sampled(calls))
+    assert cells.get("policy", str(sampled(calls))) == str(sampled(calls))
+
+
+def row_cells(text: str, first: str, header: str) -> dict[str, str]:
+    """The cells of the table line starting with ``first``, by the names of the header line
+    starting with ``header`` (columns whose cells have no spaces, read in order)."""
+    lines = text.splitlines()
+    head = next(ln for ln in lines if ln.split()[:1] == [header])
+    line = next(ln for ln in lines if ln.split()[:1] == [first])
+    return dict(zip(head.split(), line.split(), strict=False))
+
+
+# -- every listing, wherever it is printed ----------------------------------------------------
+
+LISTINGS = ["summary", "calls", "fidelity"]
+
+
+def whole_ids(truth: dict, command: str) -> list[str]:
+    """The ids a listing shows, each of which must appear whole on one line."""
+    rollouts = sorted({c["rollout_id"] for c in truth["calls"]})
+    if command == "summary":
+        return rollouts + sorted({c["group_id"] for c in truth["calls"] if c["group_id"]})
+    if command == "calls":
+        return rollouts + [c["call_id"] for c in truth["calls"]]
+    return sorted({c["dialect"] for c in truth["calls"] if c["dialect"]})
+
+
+@pytest.mark.parametrize("command", LISTINGS)
+def test_listings_keep_ids_whole_piped_and_at_any_width(data, truth, command):
+    """Piped (no COLUMNS: the table's natural width) and at 80, 100 and 200 columns, every id is
+    whole on one line, every line fits the width, and each call's figures sit on its line."""
+    counts = {c["call_id"]: c for c in truth["calls"]}
+    for width in ("", "80", "100", "200"):
+        p = run(command, str(data), COLUMNS=width)
+        assert p.returncode == 0, p.stderr
+        lines = p.stdout.splitlines()
+        words = [set(line.split()) for line in lines]
+        for id_ in whole_ids(truth, command):
+            assert any(id_ in w for w in words), f"{id_} is not whole at width {width!r}"
+        if width:
+            assert max(len(line) for line in lines) <= int(width), (width, p.stdout)
+        if command == "calls":
+            head = next(
+                line.split() for line in lines if line.split()[:1] in (["started"], ["rollout"])
+            )
+            for line, w in zip(lines, words, strict=True):
+                for call_id in w & counts.keys():
+                    c = counts[call_id]
+                    if "prompt" in head:
+                        assert str(len(c["prompt_token_ids"] or [])) in w, line
+                    if "sampled" in head:
+                        assert str(len(c["output_token_ids"] or [])) in w, line
+    piped = run(command, str(data), COLUMNS="").stdout
+    assert "not checked" in piped  # this session ran without polar_tokenizer
+    assert "no fidelity flags" not in piped
+
+
+def test_show_decodes_with_the_tokenizer_recorded_with_the_shards(copy, tmp_path):
+    """The proxy records polar_tokenizer in DIR/_polar_tokenizer.json: `show` uses it by itself;
+    --tokenizer overrides it; one that does not load here falls back to ids, saying why."""
+    from polar_mitm import tokenizer_record
+
+    plain = " ".join(run("show", str(copy), "loop.0", "--no-pager").stdout.split())
+    assert "showing ids" in plain and "<|im_start|>" not in plain  # none recorded
+    tokenizer_record.write(str(copy), QWEN, "hf", "proxy-1")
+    shown = run("show", str(copy), "loop.0", "--no-pager")
+    assert shown.returncode == 0, shown.stderr
+    assert f"decoded with {QWEN} (the proxy's polar_tokenizer)" in " ".join(shown.stdout.split())
+    assert "<|im_start|>assistant" in shown.stdout
+    override = run("show", str(copy), "loop.0", "--no-pager", "--tokenizer", QWEN)
+    assert "(the proxy's polar_tokenizer)" not in override.stdout
+    tokenizer_record.write(str(copy), str(tmp_path / "gone"), "hf")
+    gone = " ".join(run("show", str(copy), "loop.0", "--no-pager").stdout.split())
+    assert "the proxy's tokenizer does not load here" in gone and "showing ids" in gone
+
+
+def test_report_says_not_checked_without_a_tokenizer(data, tmp_path):
+    """This session ran without polar_tokenizer: the page must not claim a clean bill."""
+    page = tmp_path / "r.html"
+    result = cli("report", str(data), "--html", str(page))
+    assert result.exit_code == 0, result.output
+    html = page.read_text()
+    assert "no fidelity flags" not in html
+    assert html.count("fidelity not checked") == len(ROLLOUTS)
+
+
+@pytest.mark.parametrize("command", LISTINGS)
+def test_plain_is_tsv_and_json_parses(data, truth, command):
+    import csv
+    import io
+
+    p = run(command, str(data), "--plain", COLUMNS="80")
+    assert p.returncode == 0, p.stderr
+    rows = list(csv.reader(io.StringIO(p.stdout), delimiter="\t"))
+    head, body = rows[0], rows[1:]
+    assert body and all(len(r) == len(head) for r in body), p.stdout
+    table = [dict(zip(head, r, strict=True)) for r in body]
+    if command == "calls":
+        assert [r["call"] for r in table] == [
+            c["call_id"] for c in sorted(truth["calls"], key=lambda c: c["started_at"])
+        ]
+        by_id = {c["call_id"]: c for c in truth["calls"]}
+        for r in table:
+            assert r["prompt"] == str(len(by_id[r["call"]]["prompt_token_ids"] or []))
+            assert r["flags"] == "not checked"
+    elif command == "summary":
+        assert sorted(r["rollout"] for r in table) == sorted(
+            {c["rollout_id"] for c in truth["calls"]}
+        )
+        groups = run(command, str(data), "--plain", "--groups").stdout.splitlines()
+        assert groups[0].split("\t")[0] == "group" and "task" in {g.split("\t")[0] for g in groups}
+    else:
+        assert {r["dialect"] for r in table} == {c["dialect"] for c in truth["calls"]}
+        assert all(r["with tokenizer"] == "0" for r in table)  # positions only: not checked
+    assert json.loads(run(command, str(data), "--json").stdout)
 
 
 def test_errors_a_user_meets_are_one_line(data, tmp_path):
@@ -198,8 +313,10 @@ def test_errors_a_user_meets_are_one_line(data, tmp_path):
 
 def test_every_command_has_complete_help():
     for command, needles in {
-        "summary": ["--json", "GRPO group"],
-        "calls": ["--rollout", "--json", "ttfb"],
+        "summary": ["--json", "--plain", "--groups", "GRPO group"],
+        "calls": ["--rollout", "--json", "--plain", "ttfb"],
+        "fidelity": ["--json", "--plain", "--examples"],
+        "top": ["--proxy", "--token", "--interval", "--once", "/metrics"],
         "show": ["--trace", "--ids", "--logprobs", "--tokenizer", "--pager", "main trace"],
         "export": ["slime", "verl", "nemo-gym", "jsonl", "--all", "--role", "--out"],
         "reward": ["rollout_id", "revision", "--skip-unknown", "--dry-run", "--journal"],

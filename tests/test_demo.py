@@ -1,10 +1,12 @@
 """`./scripts/demo.sh`, as a user on this machine runs it: both sessions (the real Pi harness, and
-the openai-SDK session), each ending with a summary of 3 captured calls for one rollout."""
+the openai-SDK session), each ending with a summary of 3 captured calls for one rollout, the main
+trace decoded as text with its fidelity line, and where the files are."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +43,22 @@ def test_demo_prints_a_summary_of_three_calls(tmp_path, session):
     data = json.loads(summary.stdout)
     [rollout] = [r for r in data["rollouts"] if r["rollout_id"] == "demo-task.0"]
     assert rollout["calls"] == 3, rollout
-    assert "the main trace of demo-task.0" in proc.stdout
+    # the proxy checked every call with the shipped Qwen3 tokenizer and recorded it with the
+    # shards: `show` decodes the trace by itself and says what the checks found
+    recorded = json.loads((out / "data" / "_polar_tokenizer.json").read_text())
+    assert recorded["spec"].endswith("tokenizer_files") and recorded["kind"] == "hf"
+    assert rollout["fidelity_checked"] == 3 and data["totals"]["fidelity_checked"] >= 3
+    shown = proc.stdout.split("the main trace of demo-task.0 as text", 1)[1]
+    shown = shown.split("== where the files are", 1)[0]
+    assert "(the proxy's polar_tokenizer)" in shown and "showing ids" not in shown
+    assert "<|im_start|>assistant" in shown and "<|im_end|>" in shown  # decoded, not ids
+    assert not any(
+        line.split() and all(w.isdigit() for w in line.split()) for line in shown.splitlines()
+    )
+    fidelity = [line for line in shown.splitlines() if line.startswith("fidelity")]
+    assert fidelity and re.search(r"checked (\d+)/\1 calls", fidelity[0]), shown[:3000]
+    assert "not checked" not in proc.stdout
+    assert f"{out / 'data'}/calls/" in proc.stdout.split("== where the files are", 1)[1]
     if session == "pi":
         assert (out / "work" / "hello.txt").read_text() == "polar was here"
         assert "reward 1.0" in proc.stdout
