@@ -29,13 +29,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import Request
+from fastapi import HTTPException, Request
 from nemo_gym.base_resources_server import BaseRunRequest, BaseVerifyResponse
-from nemo_gym.base_responses_api_agent import (
-    BaseResponsesAPIAgentConfig,
-    Body,
-    SimpleResponsesAPIAgent,
-)
+from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, SimpleResponsesAPIAgent
 from nemo_gym.config_types import ResourcesServerRef
 from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
 from nemo_gym.server_utils import get_response_json
@@ -104,10 +100,11 @@ class PolarMitmAgent(SimpleResponsesAPIAgent):
             return ControlClient(token, url=self.config.control_url)
         return ControlClient(token, proxy=self.config.proxy)
 
-    async def responses(
-        self, body: NeMoGymResponseCreateParamsNonStreaming = Body()
-    ) -> NeMoGymResponse:
-        raise NotImplementedError("run a harness with POST /run: it needs a task and a reward")
+    async def responses(self, body: NeMoGymResponseCreateParamsNonStreaming) -> NeMoGymResponse:
+        """Not served: a harness run needs a task (workspace) and ends with a reward."""
+        raise HTTPException(
+            501, "polar_mitm_agent serves POST /run (a task row), not /v1/responses"
+        )
 
     async def run(self, request: Request, body: PolarRunRequest) -> PolarVerifyResponse:
         extra = body.model_extra or {}

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from fastapi import HTTPException
 from nemo_gym.base_resources_server import (
     BaseResourcesServerConfig,
-    BaseRunRequest,
     BaseSeedSessionResponse,
     BaseVerifyRequest,
     BaseVerifyResponse,
@@ -63,8 +63,6 @@ class CodingTasksServer(SimpleResourcesServer):
         try:
             seed(load_task(body.task_id, self.tasks_dir), Path(body.workspace))
         except TaskError as e:
-            from fastapi import HTTPException
-
             raise HTTPException(status_code=400, detail=str(e)) from None
         return CodingSeedResponse(workspace=body.workspace)
 
@@ -84,6 +82,3 @@ class CodingTasksServer(SimpleResourcesServer):
             reason=verdict.reason,
             test_output=verdict.output,
         )
-
-
-__all__ = ["BaseRunRequest", "CodingTasksServer"]

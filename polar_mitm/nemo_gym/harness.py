@@ -25,7 +25,15 @@ from ..certs import env_lines
 
 # The model name each harness asks for; the proxy replaces it with the policy's.
 DEFAULT_MODEL = "gpt-4.1-mini"
-DEFAULT_BIN_DIR = Path.home() / ".cache" / "polar-mitm" / "npm-harnesses" / "node_modules" / ".bin"
+# Where scripts/install_harnesses.sh puts the pinned harnesses (it honours the same variable).
+DEFAULT_BIN_DIR = (
+    Path(
+        os.environ.get("POLAR_HARNESS_DIR")
+        or Path.home() / ".cache" / "polar-mitm" / "npm-harnesses"
+    )
+    / "node_modules"
+    / ".bin"
+)
 PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -145,7 +153,7 @@ async def run_harness(
             start_new_session=True,  # its own process group: a time-out kills its children too
         )
     except OSError as e:
-        return HarnessRun(None, "", "", 0.0, f"{harness.name} could not start: {e}")
+        return HarnessRun(None, "", "", 0.0, f"{harness.name} could not start ({argv[0]}): {e}")
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:

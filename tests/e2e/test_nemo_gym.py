@@ -1,0 +1,283 @@
+"""polar-mitm as a NeMo Gym environment, through Gym's own CLI, with the real Pi.
+
+NeMo Gym 0.4.0 runs from its own venv (`.venv-gym`, built by scripts/_python.sh's
+`polar_gym_venv`; a missing venv fails this test, it never skips). `gym env start` serves the
+project's agent (responses_api_agents/polar_mitm_agent) and coding-task resources server
+(resources_servers/polar_coding) from the checkout; real mitmdump with the addon sits between the
+real Pi and the reference policy server, which plays tests' scenario nemo_gym.json: on fix-add
+it fixes the code (reward 1), on fix-greeting it makes a wrong fix (reward 0). `gym eval run
+--no-serve --num-repeats 2` collects the rollouts.
+
+What is checked: every output row parses with Gym's own models (in Gym's venv), keeps its token
+fields (the ...ForTraining item types) and passes NeMo RL's contiguity rule; its ids and log probs
+are the proxy's trace and calls; its reward is the verifier's and the trace's on disk; a task's
+two repeats are one GRPO group on the proxy with one prompt (same workspace path). Then three
+failing rollouts through the same Gym (a harness that exits non-zero, a time-out, a proxy that is
+not there) each come back as reward 0 with a reason. Every process started is stopped: Gym's
+whole session (Ray included) is gone at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from polar_mitm.control import ControlClient
+from polar_mitm.policy_server.scenario import bundled_scenario
+from polar_mitm.store import read_table
+
+from ..procs import ROOT, free_port
+
+GYM_VENV = ROOT / ".venv-gym"
+GYM = GYM_VENV / "bin" / "gym"
+CONFIG = ROOT / "resources_servers" / "polar_coding" / "configs" / "polar_coding.yaml"
+TASKS = ROOT / "resources_servers" / "polar_coding" / "data" / "tasks.jsonl"
+CHECK = Path(__file__).parent / "gym_check.py"
+TOKEN = "gym-e2e-control-token"
+AGENT = "polar_mitm_agent"
+EXPECTED_REWARD = {"fix-add": 1.0, "fix-greeting": 0.0}
+
+
+def session_members(sid: int) -> list[int]:
+    """Pids of the live processes in session `sid` (Gym, its servers, Ray and its workers)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+class GymSession:
+    """`gym env start` in a session of its own. Gym, started in the background, does not stop
+    on its own SIGINT reliably and leaves Ray's workers (their own process groups) behind, so
+    stop() signals the group, waits, then kills whatever is left of the session."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                args,
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while "servers ready!" not in self.text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"gym env start did not come up:\n{self.text()[-6000:]}")
+            time.sleep(1)
+
+    def stop(self, grace: float = 60.0) -> list[int]:
+        """Stop everything; the pids that had to be killed after the grace period."""
+        sid = self.proc.pid
+        try:
+            os.killpg(sid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace
+        while session_members(sid) and time.monotonic() < deadline:
+            self.proc.poll()
+            time.sleep(0.5)
+        left = session_members(sid)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while session_members(sid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
+
+
+def overlay(
+    tmp: Path, mitm_url: str, ca: Path, ports: dict[str, int], bin_dir: Path, fake_bin: Path
+) -> Path:
+    """The run's values on top of the shipped config, and three agents that must fail."""
+    agent = {
+        "proxy": mitm_url,
+        "ca_cert": str(ca),
+        "workspace_root": str(tmp / "ws"),
+        "harness_bin_dir": str(bin_dir),
+    }
+    failing = {
+        "polar_fail": {"harness_bin_dir": str(fake_bin), "group_prefix": "fail-"},
+        "polar_timeout": {"timeout_s": 1.0, "group_prefix": "timeout-"},
+        "polar_noproxy": {
+            "proxy": f"http://127.0.0.1:{free_port()}",
+            "timeout_s": 90.0,
+            "group_prefix": "noproxy-",
+        },
+    }
+    config = {
+        "uv_venv_dir": str(GYM_VENV / "servers"),
+        "head_server": {"host": "127.0.0.1", "port": ports["head"]},
+        "polar_coding": {"resources_servers": {"polar_coding": {"port": ports["polar_coding"]}}},
+        AGENT: {"responses_api_agents": {AGENT: {**agent, "port": ports[AGENT], "concurrency": 2}}},
+    }
+    for name, values in failing.items():
+        config[name] = {
+            "responses_api_agents": {
+                AGENT: {
+                    "entrypoint": "app.py",
+                    "resources_server": {"type": "resources_servers", "name": "polar_coding"},
+                    "port": ports[name],
+                    **agent,
+                    **values,
+                }
+            }
+        }
+    path = tmp / "overlay.yaml"
+    path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+    return path
+
+
+def gym_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    env.update(
+        PYTHONPATH=str(ROOT),  # the servers import this tree's polar_mitm
+        POLAR_CONTROL_TOKEN=TOKEN,
+        RAY_TMPDIR=str(tmp / "ray"),
+        HOME=str(tmp / "home"),
+    )
+    (tmp / "ray").mkdir()
+    (tmp / "home").mkdir()
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gym_collects_pi_rollouts_through_polar_mitm(
+    harness_bin, tmp_path, make_policy_server, make_mitm
+):
+    if not GYM.exists():
+        pytest.fail(
+            f"no NeMo Gym venv at {GYM_VENV}: scripts/test.sh builds it "
+            "(source scripts/_python.sh && polar_gym_venv .venv-gym)",
+            pytrace=False,
+        )
+    server = make_policy_server(bundled_scenario("nemo_gym"))
+    mitm = make_mitm(server.url, polar_control_token=TOKEN, polar_keep_ended=64)
+    fake_bin = tmp_path / "fake-bin"
+    fake_bin.mkdir()
+    (fake_bin / "pi").write_text("#!/bin/sh\necho 'pi: cannot reach the provider' >&2\nexit 3\n")
+    (fake_bin / "pi").chmod(0o755)
+    names = [AGENT, "polar_fail", "polar_timeout", "polar_noproxy", "polar_coding", "head"]
+    ports = {name: free_port() for name in names}
+    extra = overlay(tmp_path, mitm.url, mitm.ca, ports, harness_bin, fake_bin)
+    env = gym_env(tmp_path)
+    head = ["++head_server.host=127.0.0.1", f"++head_server.port={ports['head']}"]
+    gym = GymSession(
+        [str(GYM), "env", "start", "--config", str(CONFIG), "--config", str(extra), *head],
+        tmp_path / "gym.log",
+        env,
+    )
+    try:
+        gym.wait_ready(300)
+        out = tmp_path / "rollouts.jsonl"
+        started = time.monotonic()
+        collected = subprocess.run(
+            [str(GYM), "eval", "run", "--no-serve", "--agent", AGENT, "--input", str(TASKS),
+             "--output", str(out), "--num-repeats", "2", "--concurrency", "2", *head],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        collect_s = time.monotonic() - started
+        assert collected.returncode == 0, collected.stdout[-4000:] + collected.stderr[-4000:]
+        groups = {g["group_id"]: g for g in ControlClient(TOKEN, proxy=mitm.url).groups()}
+
+        # The failure cases, each one /run on its own agent, as Gym's collection posts it.
+        row = json.loads(TASKS.read_text().splitlines()[0])
+        failed = {}
+        for name in ("polar_fail", "polar_timeout", "polar_noproxy"):
+            r = httpx.post(
+                f"http://127.0.0.1:{ports[name]}/run",
+                json={**row, "_ng_task_index": 0, "_ng_rollout_index": 0},
+                timeout=180,
+            )
+            assert r.status_code == 200, r.text
+            failed[name] = r.json()
+    finally:
+        killed = gym.stop()
+    assert session_members(gym.proc.pid) == [], "Gym's processes outlived the stop"
+    assert mitm.stop() == 0, mitm.proc.output()
+
+    # Gym's own models parse every row and keep the token fields; NeMo RL's contiguity holds.
+    check = subprocess.run(
+        [str(GYM_VENV / "bin" / "python"), str(CHECK), str(out)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and json.loads(check.stdout)["rows"] == 4
+
+    calls = {c["call_id"]: c for c in read_table(str(mitm.output), "calls").to_pylist()}
+    traces = read_table(str(mitm.output), "traces").to_pylist()
+    by_rollout = {
+        t["rollout_id"]: t for t in traces if t["role"] == "main" and not t["parent_trace_id"]
+    }
+    first_prompts: dict[str, set] = {}
+    for row in rows:
+        task, sample = row["task_id"], row["_ng_rollout_index"]
+        rollout_id = f"{task}.{sample}"
+        polar = row["polar"]
+        assert polar["rollout_id"] == rollout_id and polar["group_id"] == task
+        assert polar["harness_returncode"] == 0, polar
+        # The reward is the verifier's, the scenario's, and what the proxy wrote on the trace.
+        assert row["reward"] == EXPECTED_REWARD[task] == polar["reward"], row
+        assert row["test_passed"] is (row["reward"] == 1.0)
+        assert (row["reason"] is None) is (row["reward"] == 1.0), row["reason"]
+        trace = by_rollout[rollout_id]
+        assert (trace["reward"], trace["status"]) == (row["reward"], "completed")
+        assert trace["trainable"] is True and polar["trainable"] is True
+        assert polar["trace_id"] == trace["trace_id"] == row["response"]["id"]
+        # The items are the trace: one per call, its prompt, sampled ids and log probs.
+        items = row["response"]["output"]
+        assert [i["id"] for i in items] == trace["call_ids"] and len(items) == 2
+        for item in items:
+            call = calls[item["id"]]
+            assert item["prompt_token_ids"] == call["prompt_token_ids"]
+            assert item["generation_token_ids"] == call["output_token_ids"]
+            assert item["generation_log_probs"] == pytest.approx(call["output_logprobs"], abs=1e-6)
+        last = items[-1]
+        assert last["prompt_token_ids"] + last["generation_token_ids"] == trace["input_ids"]
+        first_prompts.setdefault(task, set()).add(tuple(items[0]["prompt_token_ids"]))
+        assert trace["group_id"] == task and trace["sample_index"] == sample
+    # One GRPO group per task on the proxy, with both repeats, and one prompt (same path).
+    for task in EXPECTED_REWARD:
+        assert sorted(s["rollout_id"] for s in groups[task]["samples"]) == [
+            f"{task}.0",
+            f"{task}.1",
+        ], groups[task]
+        assert len(first_prompts[task]) == 1
+
+    # Failures: reward 0 with a reason, a parseable (empty or partial) response.
+    assert failed["polar_fail"]["reward"] == 0.0
+    assert "pi exited 3: pi: cannot reach the provider" in failed["polar_fail"]["polar"]["reason"]
+    assert failed["polar_timeout"]["reward"] == 0.0
+    assert "timed out after 1 s" in failed["polar_timeout"]["polar"]["reason"]
+    noproxy = failed["polar_noproxy"]["polar"]
+    assert failed["polar_noproxy"]["reward"] == 0.0 and noproxy["reason"], noproxy
+    assert noproxy["harness_returncode"] not in (0, None), noproxy
+    assert "proxy control plane" in noproxy["control_error"], noproxy
+    for result in failed.values():
+        assert result["response"]["output"] == [] or result["polar"].get("trace_id")
+    print(f"collect {collect_s:.1f} s; killed after the grace period: {len(killed)}")
