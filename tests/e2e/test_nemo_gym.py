@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import httpx
 import pytest
 
 from polar_mitm.control import ControlClient
+from polar_mitm.nemo_gym.session import GymSession, session_members
 from polar_mitm.policy_server.scenario import bundled_scenario
 from polar_mitm.store import read_table
 
@@ -43,70 +43,6 @@ CHECK = Path(__file__).parent / "gym_check.py"
 TOKEN = "gym-e2e-control-token"
 AGENT = "polar_mitm_agent"
 EXPECTED_REWARD = {"fix-add": 1.0, "fix-greeting": 0.0}
-
-
-def session_members(sid: int) -> list[int]:
-    """Pids of the live processes in session `sid` (Gym, its servers, Ray and its workers)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-class GymSession:
-    """`gym env start` in a session of its own. Gym, started in the background, does not stop
-    on its own SIGINT reliably and leaves Ray's workers (their own process groups) behind, so
-    stop() signals the group, waits, then kills whatever is left of the session."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                args,
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while "servers ready!" not in self.text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"gym env start did not come up:\n{self.text()[-6000:]}")
-            time.sleep(1)
-
-    def stop(self, grace: float = 60.0) -> list[int]:
-        """Stop everything; the pids that had to be killed after the grace period."""
-        sid = self.proc.pid
-        try:
-            os.killpg(sid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + grace
-        while session_members(sid) and time.monotonic() < deadline:
-            self.proc.poll()
-            time.sleep(0.5)
-        left = session_members(sid)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(30)
-        deadline = time.monotonic() + 30
-        while session_members(sid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        return left
 
 
 def overlay(
@@ -190,6 +126,7 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
         [str(GYM), "env", "start", "--config", str(CONFIG), "--config", str(extra), *head],
         tmp_path / "gym.log",
         env,
+        ROOT,
     )
     try:
         gym.wait_ready(300)
