@@ -17,9 +17,11 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,8 +63,9 @@ def main() -> None:
     py = Path(sys.executable).parent
     token = secrets.token_hex(16)  # the control token: in the environment only, never on disk
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-    env.update(PYTHONPATH=str(ROOT), POLAR_CONTROL_TOKEN=token, RAY_TMPDIR=str(out / "ray"))
-    (out / "ray").mkdir(exist_ok=True)
+    # Ray's socket paths must stay under 108 bytes: a short dir of its own
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    env.update(PYTHONPATH=str(ROOT), POLAR_CONTROL_TOKEN=token, RAY_TMPDIR=ray_tmp)
     children: list[subprocess.Popen] = []
     gym = None
     try:
@@ -126,7 +129,7 @@ def main() -> None:
                 f"{p['rollout_id']:<12} {r['reward']:>6} {len(items):>5} {sampled:>7} "
                 f"{str(p.get('trainable')):>9}  {p.get('reason') or ''}"
             )
-        samples = sorted(s["rollout_id"] for s in group["samples"])
+        samples = [s["rollout_id"] for s in group["samples"].values()]
         print(f"== GRPO group {TASK} on the proxy: {len(samples)} samples {samples}")
     finally:
         if gym is not None:
@@ -135,6 +138,7 @@ def main() -> None:
         for proc in reversed(children):
             proc.send_signal(2)
             proc.wait(30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

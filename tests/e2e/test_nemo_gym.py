@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,10 +94,10 @@ def gym_env(tmp: Path) -> dict[str, str]:
     env.update(
         PYTHONPATH=str(ROOT),  # the servers import this tree's polar_mitm
         POLAR_CONTROL_TOKEN=TOKEN,
-        RAY_TMPDIR=str(tmp / "ray"),
+        # Ray's socket paths must stay under 108 bytes: a short dir of its own
+        RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"),
         HOME=str(tmp / "home"),
     )
-    (tmp / "ray").mkdir()
     (tmp / "home").mkdir()
     return env
 
@@ -154,6 +156,7 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
             failed[name] = r.json()
     finally:
         killed = gym.stop()
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert session_members(gym.proc.pid) == [], "Gym's processes outlived the stop"
     assert mitm.stop() == 0, mitm.proc.output()
 
@@ -199,11 +202,12 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
         first_prompts.setdefault(task, set()).add(tuple(items[0]["prompt_token_ids"]))
         assert trace["group_id"] == task and trace["sample_index"] == sample
     # One GRPO group per task on the proxy, with both repeats, and one prompt (same path).
-    for task in EXPECTED_REWARD:
-        assert sorted(s["rollout_id"] for s in groups[task]["samples"]) == [
-            f"{task}.0",
-            f"{task}.1",
-        ], groups[task]
+    for task, reward in EXPECTED_REWARD.items():
+        samples = groups[task]["samples"]
+        assert {k: (v["rollout_id"], v["reward"]) for k, v in samples.items()} == {
+            "0": (f"{task}.0", reward),
+            "1": (f"{task}.1", reward),
+        }, groups[task]
         assert len(first_prompts[task]) == 1
 
     # Failures: reward 0 with a reason, a parseable (empty or partial) response.
