@@ -45,19 +45,27 @@ CHECK = Path(__file__).parent / "gym_check.py"
 TOKEN = "gym-e2e-control-token"
 AGENT = "polar_mitm_agent"
 EXPECTED_REWARD = {"fix-add": 1.0, "fix-greeting": 0.0}
+# The agents collected through `gym eval run`: Pi on every task, Claude Code and Codex on fix-add;
+# each its own group prefix, so their rollouts are groups of their own on the proxy.
+HARNESS_AGENTS = {
+    AGENT: ("pi", ""),
+    "polar_claude": ("claude", "claude-"),
+    "polar_codex": ("codex", "codex-"),
+}
 
 
 def overlay(
     tmp: Path, mitm_url: str, ca: Path, ports: dict[str, int], bin_dir: Path, fake_bin: Path
 ) -> Path:
-    """The run's values on top of the shipped config, and three agents that must fail."""
+    """The run's values on top of the shipped config, the Claude and Codex agents, and three
+    agents that must fail."""
     agent = {
         "proxy": mitm_url,
         "ca_cert": str(ca),
         "workspace_root": str(tmp / "ws"),
         "harness_bin_dir": str(bin_dir),
     }
-    failing = {
+    agents = {
         "polar_fail": {"harness_bin_dir": str(fake_bin), "group_prefix": "fail-"},
         "polar_timeout": {"timeout_s": 1.0, "group_prefix": "timeout-"},
         "polar_noproxy": {
@@ -66,13 +74,16 @@ def overlay(
             "group_prefix": "noproxy-",
         },
     }
+    for name, (harness, prefix) in HARNESS_AGENTS.items():
+        if name != AGENT:
+            agents[name] = {"harness": harness, "group_prefix": prefix}
     config = {
         "uv_venv_dir": str(GYM_VENV / "servers"),
         "head_server": {"host": "127.0.0.1", "port": ports["head"]},
         "polar_coding": {"resources_servers": {"polar_coding": {"port": ports["polar_coding"]}}},
         AGENT: {"responses_api_agents": {AGENT: {**agent, "port": ports[AGENT], "concurrency": 2}}},
     }
-    for name, values in failing.items():
+    for name, values in agents.items():
         config[name] = {
             "responses_api_agents": {
                 AGENT: {
@@ -119,7 +130,14 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
     fake_bin.mkdir()
     (fake_bin / "pi").write_text("#!/bin/sh\necho 'pi: cannot reach the provider' >&2\nexit 3\n")
     (fake_bin / "pi").chmod(0o755)
-    names = [AGENT, "polar_fail", "polar_timeout", "polar_noproxy", "polar_coding", "head"]
+    names = [
+        *HARNESS_AGENTS,
+        "polar_fail",
+        "polar_timeout",
+        "polar_noproxy",
+        "polar_coding",
+        "head",
+    ]
     ports = {name: free_port() for name in names}
     extra = overlay(tmp_path, mitm.url, mitm.ca, ports, harness_bin, fake_bin)
     env = gym_env(tmp_path)
@@ -131,11 +149,26 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
         ROOT,
     )
     try:
+        t0 = time.monotonic()
         gym.wait_ready(300)
+        up_s = time.monotonic() - t0
         out = tmp_path / "rollouts.jsonl"
+        tasks = [json.loads(line) for line in TASKS.read_text().splitlines()]
+        rows_in = [
+            {**t, "agent_ref": {"type": "responses_api_agents", "name": AGENT}} for t in tasks
+        ]
+        rows_in += [
+            {**t, "agent_ref": {"type": "responses_api_agents", "name": name}}
+            for name in HARNESS_AGENTS
+            if name != AGENT
+            for t in tasks
+            if t["task_id"] == "fix-add"
+        ]
+        inputs = tmp_path / "inputs.jsonl"
+        inputs.write_text("".join(json.dumps(r) + "\n" for r in rows_in))
         started = time.monotonic()
         collected = subprocess.run(
-            [str(GYM), "eval", "run", "--no-serve", "--agent", AGENT, "--input", str(TASKS),
+            [str(GYM), "eval", "run", "--no-serve", "--input", str(inputs),
              "--output", str(out), "--num-repeats", "2", "--concurrency", "2", *head],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
@@ -146,6 +179,7 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
         # The failure cases, each one /run on its own agent, as Gym's collection posts it.
         row = json.loads(TASKS.read_text().splitlines()[0])
         failed = {}
+        t0 = time.monotonic()
         for name in ("polar_fail", "polar_timeout", "polar_noproxy"):
             r = httpx.post(
                 f"http://127.0.0.1:{ports[name]}/run",
@@ -154,6 +188,7 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
             )
             assert r.status_code == 200, r.text
             failed[name] = r.json()
+        fail_s = time.monotonic() - t0
     finally:
         killed = gym.stop()
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
@@ -167,7 +202,7 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
     )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 4 and json.loads(check.stdout)["rows"] == 4
+    assert len(rows) == 2 * len(rows_in) == 8 and json.loads(check.stdout)["rows"] == 8
 
     calls = {c["call_id"]: c for c in read_table(str(mitm.output), "calls").to_pylist()}
     traces = read_table(str(mitm.output), "traces").to_pylist()
@@ -177,9 +212,12 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
     first_prompts: dict[str, set] = {}
     for row in rows:
         task, sample = row["task_id"], row["_ng_rollout_index"]
-        rollout_id = f"{task}.{sample}"
+        harness, prefix = HARNESS_AGENTS[row["agent_ref"]["name"]]
+        group = prefix + task
+        rollout_id = f"{group}.{sample}"
         polar = row["polar"]
-        assert polar["rollout_id"] == rollout_id and polar["group_id"] == task
+        assert polar["rollout_id"] == rollout_id and polar["group_id"] == group
+        assert polar["harness"] == harness
         assert polar["harness_returncode"] == 0, polar
         # The reward is the verifier's, the scenario's, and what the proxy wrote on the trace.
         assert row["reward"] == EXPECTED_REWARD[task] == polar["reward"], row
@@ -199,16 +237,18 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
             assert item["generation_log_probs"] == pytest.approx(call["output_logprobs"], abs=1e-6)
         last = items[-1]
         assert last["prompt_token_ids"] + last["generation_token_ids"] == trace["input_ids"]
-        first_prompts.setdefault(task, set()).add(tuple(items[0]["prompt_token_ids"]))
-        assert trace["group_id"] == task and trace["sample_index"] == sample
+        first_prompts.setdefault(group, set()).add(tuple(items[0]["prompt_token_ids"]))
+        assert trace["group_id"] == group and trace["sample_index"] == sample
     # One GRPO group per task on the proxy, with both repeats, and one prompt (same path).
-    for task, reward in EXPECTED_REWARD.items():
-        samples = groups[task]["samples"]
+    want = {t: r for t, r in EXPECTED_REWARD.items()}
+    want.update({f"{p}fix-add": 1.0 for _, p in HARNESS_AGENTS.values() if p})
+    for group, reward in want.items():
+        samples = groups[group]["samples"]
         assert {k: (v["rollout_id"], v["reward"]) for k, v in samples.items()} == {
-            "0": (f"{task}.0", reward),
-            "1": (f"{task}.1", reward),
-        }, groups[task]
-        assert len(first_prompts[task]) == 1
+            "0": (f"{group}.0", reward),
+            "1": (f"{group}.1", reward),
+        }, groups[group]
+        assert len(first_prompts[group]) == 1, group
 
     # Failures: reward 0 with a reason, a parseable (empty or partial) response.
     assert failed["polar_fail"]["reward"] == 0.0
@@ -221,4 +261,6 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
     assert "proxy control plane" in noproxy["control_error"], noproxy
     for result in failed.values():
         assert result["response"]["output"] == [] or result["polar"].get("trace_id")
-    print(f"collect {collect_s:.1f} s; killed after the grace period: {len(killed)}")
+    reasons = {name: r["polar"]["reason"] for name, r in failed.items()}
+    print(f"gym up {up_s:.1f} s, collect {collect_s:.1f} s, failures {fail_s:.1f} s; {reasons}")
+    print(f"killed after the grace period: {len(killed)}")
