@@ -54,6 +54,18 @@ HARNESS_AGENTS = {
 }
 
 
+def processes_under(folder: Path) -> list[int]:
+    """Pids of the processes whose working directory is in `folder`."""
+    pids = []
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if Path(os.readlink(cwd)).is_relative_to(folder):
+                pids.append(int(cwd.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
 def overlay(
     tmp: Path, mitm_url: str, ca: Path, ports: dict[str, int], bin_dir: Path, fake_bin: Path
 ) -> Path:
@@ -193,6 +205,8 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
         killed = gym.stop()
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert session_members(gym.proc.pid) == [], "Gym's processes outlived the stop"
+    # No harness (nor a child of one: the timed-out Pi's process group) is left in a workspace.
+    assert processes_under(tmp_path / "ws") == []
     assert mitm.stop() == 0, mitm.proc.output()
 
     # Gym's own models parse every row and keep the token fields; NeMo RL's contiguity holds.
