@@ -120,8 +120,8 @@ def main() -> None:
         group = next(g for g in ControlClient(token, proxy=proxy).groups() if g["group_id"] == TASK)
         print("== the collected JSONL")
         print(f"{'rollout':<12} {'reward':>6} {'calls':>5} {'sampled':>7} {'trainable':>9}  reason")
-        for line in rollouts.read_text().splitlines():
-            r = json.loads(line)
+        collected = [json.loads(line) for line in rollouts.read_text().splitlines()]
+        for r in sorted(collected, key=lambda r: r["polar"]["rollout_id"]):
             items = r["response"]["output"]
             sampled = sum(len(i.get("generation_token_ids") or []) for i in items)
             p = r["polar"]
