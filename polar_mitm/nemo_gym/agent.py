@@ -35,12 +35,22 @@ from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgentConfig, Simpl
 from nemo_gym.config_types import ResourcesServerRef
 from nemo_gym.openai_utils import NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
 from nemo_gym.server_utils import get_response_json
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..control import ControlClient, ControlError
 from ..traceview import main_trace
 from .harness import DEFAULT_BIN_DIR, DEFAULT_MODEL, HARNESSES, harness_env, run_harness
 from .items import STATUS, output_items, response
+from .own_proxy import OwnProxy, ProxyStartError, launch, wait_ready
+
+
+class StartProxyConfig(BaseModel):
+    """A proxy the agent starts for itself (own_proxy.py): for a run without one."""
+
+    mitmdump: str  # the mitmdump of a venv with polar-mitm (Gym's venv has no mitmproxy)
+    upstream: str  # the policy server, e.g. NeMo RL's vLLM: http://HOST:8000
+    folder: str = "/tmp/polar-gym-proxy"  # its confdir (CA), polar_output and log
+    options: dict[str, str] = Field(default_factory=dict)  # more --set name=value
 
 
 class PolarMitmAgentConfig(BaseResponsesAPIAgentConfig):
@@ -48,8 +58,9 @@ class PolarMitmAgentConfig(BaseResponsesAPIAgentConfig):
     harness: Literal["pi", "claude", "codex"] = "pi"
     harness_bin_dir: str | None = None  # default: where scripts/install_harnesses.sh puts them
     model: str = DEFAULT_MODEL  # the name the harness asks for (the proxy sends the policy's)
-    proxy: str  # the polar-mitm proxy as the harness reaches it: http://HOST:PORT
-    ca_cert: str  # the CA the harness trusts (`polar-mitm certs` prints its path)
+    proxy: str | None = None  # the polar-mitm proxy as the harness reaches it: http://HOST:PORT
+    ca_cert: str | None = None  # the CA the harness trusts (`polar-mitm certs` prints its path)
+    start_proxy: StartProxyConfig | None = None  # instead of proxy + ca_cert
     control_url: str | None = None  # polar_control_listen's URL; default: through the proxy
     control_token_env: str = "POLAR_CONTROL_TOKEN"  # the variable holding the control token
     group_prefix: str = ""  # e.g. a run id, so two collections do not reuse rollout ids
@@ -58,6 +69,14 @@ class PolarMitmAgentConfig(BaseResponsesAPIAgentConfig):
     keep_workspaces: bool = False
     timeout_s: float = 600.0
     concurrency: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _one_proxy(self) -> PolarMitmAgentConfig:
+        if (self.proxy is None) == (self.start_proxy is None):
+            raise ValueError("give either proxy (+ ca_cert) or start_proxy, not both or neither")
+        if self.proxy is not None and self.ca_cert is None:
+            raise ValueError("proxy needs ca_cert: the CA file the harness must trust")
+        return self
 
 
 class PolarRunRequest(BaseRunRequest):
@@ -90,15 +109,38 @@ class PolarMitmAgent(SimpleResponsesAPIAgent):
     model_config = ConfigDict(arbitrary_types_allowed=True)
     sem: asyncio.Semaphore | None = None
     locks: dict[str, asyncio.Lock] = Field(default_factory=dict)
+    own: OwnProxy | None = None
+    own_lock: asyncio.Lock | None = None
 
     def model_post_init(self, context: Any) -> None:
         self.sem = asyncio.Semaphore(self.config.concurrency)
+        self.own_lock = asyncio.Lock()
+
+    def token(self) -> str:
+        return os.environ.get(self.config.control_token_env, "")
+
+    async def endpoint(self) -> tuple[str, Path]:
+        """The proxy's URL and CA: the configured ones, or the agent's own proxy (started on
+        the first /run, in the process that serves; ProxyStartError if it does not start)."""
+        start = self.config.start_proxy
+        if start is None:
+            return str(self.config.proxy), Path(str(self.config.ca_cert))
+        assert self.own_lock is not None
+        async with self.own_lock:
+            if self.own is None or self.own.proc.poll() is not None:
+                own = launch(
+                    start.mitmdump, start.upstream, Path(start.folder), self.token(), start.options
+                )
+                await asyncio.to_thread(wait_ready, own)
+                self.own = own
+            return self.own.url, self.own.ca_cert
 
     def control(self) -> ControlClient:
-        token = os.environ.get(self.config.control_token_env, "")
         if self.config.control_url:
-            return ControlClient(token, url=self.config.control_url)
-        return ControlClient(token, proxy=self.config.proxy)
+            return ControlClient(self.token(), url=self.config.control_url)
+        return ControlClient(
+            self.token(), proxy=self.own.url if self.own else str(self.config.proxy)
+        )
 
     async def responses(self, body: NeMoGymResponseCreateParamsNonStreaming) -> NeMoGymResponse:
         """Not served: a harness run needs a task (workspace) and ends with a reward."""
@@ -148,9 +190,11 @@ class PolarMitmAgent(SimpleResponsesAPIAgent):
                 text = (await seeded.read()).decode("utf-8", "replace")[:300]
                 return self._failed(fields, info, f"/seed_session answered {seeded.status}: {text}")
             cookies = seeded.cookies
-            env = harness_env(
-                harness, home, self.config.proxy, Path(self.config.ca_cert), rollout_id
-            )
+            try:
+                proxy, ca_cert = await self.endpoint()
+            except ProxyStartError as e:
+                return self._failed(fields, info, str(e).splitlines()[0])
+            env = harness_env(harness, home, proxy, ca_cert, rollout_id)
             ran = await run_harness(
                 harness,
                 Path(self.config.harness_bin_dir or DEFAULT_BIN_DIR),

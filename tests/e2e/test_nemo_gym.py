@@ -35,7 +35,7 @@ from polar_mitm.nemo_gym.session import GymSession, session_members
 from polar_mitm.policy_server.scenario import bundled_scenario
 from polar_mitm.store import read_table
 
-from ..procs import ROOT, free_port
+from ..procs import MITMDUMP, ROOT, free_port
 
 GYM_VENV = ROOT / ".venv-gym"
 GYM = GYM_VENV / "bin" / "gym"
@@ -67,7 +67,13 @@ def processes_under(folder: Path) -> list[int]:
 
 
 def overlay(
-    tmp: Path, mitm_url: str, ca: Path, ports: dict[str, int], bin_dir: Path, fake_bin: Path
+    tmp: Path,
+    mitm_url: str,
+    ca: Path,
+    ports: dict[str, int],
+    bin_dir: Path,
+    fake_bin: Path,
+    upstream: str,
 ) -> Path:
     """The run's values on top of the shipped config, the Claude and Codex agents, and three
     agents that must fail."""
@@ -84,6 +90,13 @@ def overlay(
             "proxy": f"http://127.0.0.1:{free_port()}",
             "timeout_s": 90.0,
             "group_prefix": "noproxy-",
+        },
+        # a proxy of its own, started by the agent on its first /run
+        "polar_ownproxy": {
+            "proxy": None,
+            "ca_cert": None,
+            "start_proxy": {"mitmdump": MITMDUMP, "upstream": upstream, "folder": str(tmp / "own")},
+            "group_prefix": "own-",
         },
     }
     for name, (harness, prefix) in HARNESS_AGENTS.items():
@@ -147,11 +160,12 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
         "polar_fail",
         "polar_timeout",
         "polar_noproxy",
+        "polar_ownproxy",
         "polar_coding",
         "head",
     ]
     ports = {name: free_port() for name in names}
-    extra = overlay(tmp_path, mitm.url, mitm.ca, ports, harness_bin, fake_bin)
+    extra = overlay(tmp_path, mitm.url, mitm.ca, ports, harness_bin, fake_bin, server.url)
     env = gym_env(tmp_path)
     head = ["++head_server.host=127.0.0.1", f"++head_server.port={ports['head']}"]
     gym = GymSession(
@@ -192,7 +206,7 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
         row = json.loads(TASKS.read_text().splitlines()[0])
         failed = {}
         t0 = time.monotonic()
-        for name in ("polar_fail", "polar_timeout", "polar_noproxy"):
+        for name in ("polar_fail", "polar_timeout", "polar_noproxy", "polar_ownproxy"):
             r = httpx.post(
                 f"http://127.0.0.1:{ports[name]}/run",
                 json={**row, "_ng_task_index": 0, "_ng_rollout_index": 0},
@@ -273,6 +287,11 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
     assert failed["polar_noproxy"]["reward"] == 0.0 and noproxy["reason"], noproxy
     assert noproxy["harness_returncode"] not in (0, None), noproxy
     assert "proxy control plane" in noproxy["control_error"], noproxy
+    own = failed.pop("polar_ownproxy")
+    assert (own["reward"], own["polar"]["reason"], own["polar"]["trainable"]) == (1.0, None, True)
+    [own_trace] = read_table(str(tmp_path / "own" / "polar-data"), "traces").to_pylist()
+    assert (own_trace["rollout_id"], own_trace["reward"]) == ("own-fix-add.0", 1.0)
+    assert [i["id"] for i in own["response"]["output"]] == own_trace["call_ids"]
     for result in failed.values():
         assert result["response"]["output"] == [] or result["polar"].get("trace_id")
     reasons = {name: r["polar"]["reason"] for name, r in failed.items()}
