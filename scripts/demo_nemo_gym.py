@@ -93,7 +93,11 @@ def main() -> None:
         )  # fmt: skip
         proxy = f"http://127.0.0.1:{proxy_port}"
         agent = "++polar_mitm_agent.responses_api_agents.polar_mitm_agent"
-        head = ["++head_server.host=127.0.0.1", f"++head_server.port={free_port()}"]
+        head = [  # Gym's head server on a free port; Hydra's run folder under OUT
+            "++head_server.host=127.0.0.1",
+            f"++head_server.port={free_port()}",
+            f"hydra.run.dir={out / 'hydra'}",
+        ]
         print("== gym env start (Ray, head server, polar_mitm_agent, polar_coding)")
         gym = GymSession(
             [str(GYM_VENV / "bin" / "gym"), "env", "start", "--config", str(CONFIG), *head,

@@ -167,7 +167,12 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
     ports = {name: free_port() for name in names}
     extra = overlay(tmp_path, mitm.url, mitm.ca, ports, harness_bin, fake_bin, server.url)
     env = gym_env(tmp_path)
-    head = ["++head_server.host=127.0.0.1", f"++head_server.port={ports['head']}"]
+    # Gym's head server on a free port; Hydra's run folder (it logs the merged config) in tmp
+    head = [
+        "++head_server.host=127.0.0.1",
+        f"++head_server.port={ports['head']}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]
     gym = GymSession(
         [str(GYM), "env", "start", "--config", str(CONFIG), "--config", str(extra), *head],
         tmp_path / "gym.log",
