@@ -142,7 +142,7 @@ polar_trainer_venv() {
 
 # polar_gym_venv DIR: NeMo Gym 0.4.0 (the newest that installs on Python 3.12; 0.7 needs a newer
 # one) in a venv of its own, for the NeMo Gym agent and resources server (docs: README "NeMo
-# Gym"): about 1.4 GB with Ray, 3-5 minutes from PyPI. This checkout goes on its path with a .pth
+# Gym"): about 1.4 GB with Ray; 4.5 minutes from PyPI on a busy 2-core machine, 13.5 at load 10. This checkout goes on its path with a .pth
 # file (the agent imports polar_mitm's standard-library modules; mitmproxy is not installed
 # there), and DIR/servers/<type>/<name>/.venv link back to DIR, so that Gym, with
 # `skip_venv_if_present: true` and `uv_venv_dir: DIR/servers`, uses it instead of building a venv
@@ -157,7 +157,7 @@ polar_gym_venv() {
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         py="$(polar_find_python)" || return 1
         [ -x "$venv/bin/python" ] || { echo "creating the NeMo Gym venv $venv with $py" >&2; "$py" -m venv "$venv" || return 1; }
-        echo "installing $POLAR_GYM_REQS into $venv (3-5 minutes)" >&2
+        echo "installing $POLAR_GYM_REQS into $venv (5-15 minutes)" >&2
         # shellcheck disable=SC2086
         nice -n 10 "$venv/bin/python" -m pip install -q --disable-pip-version-check $POLAR_GYM_REQS \
             >"$venv/.pip.log" 2>&1 || { tail -30 "$venv/.pip.log" >&2; echo "error: NeMo Gym venv install failed" >&2; return 1; }

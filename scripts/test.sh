@@ -16,7 +16,7 @@ if [ "${POLAR_REALMODEL:-1}" != "0" ]; then
     polar_realmodel .venv || echo "warning: the realmodel extra is not installed; its tests will skip" >&2
     polar_trainer_venv .venv-trainer || echo "warning: no trainer venv; the trainer-check tests will skip" >&2
 fi
-# NeMo Gym 0.4.0 in its own venv (.venv-gym, about 1.4 GB, 3-5 minutes once) for
+# NeMo Gym 0.4.0 in its own venv (.venv-gym, about 1.4 GB, 5-15 minutes once) for
 # tests/e2e/test_nemo_gym.py, which fails, never skips, without it.
 polar_gym_venv .venv-gym || echo "warning: no NeMo Gym venv; tests/e2e/test_nemo_gym.py will fail" >&2
 export PATH="$PWD/.venv/bin:$PATH"
