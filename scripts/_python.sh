@@ -142,9 +142,9 @@ polar_trainer_venv() {
 
 # polar_gym_venv DIR: NeMo Gym 0.4.0 (the newest that installs on Python 3.12; 0.7 needs a newer
 # one) in a venv of its own, for the NeMo Gym agent and resources server (docs: README "NeMo
-# Gym"): about 1.4 GB with Ray; 4.5 minutes from PyPI on a busy 2-core machine, 13.5 at load 10. This checkout goes on its path with a .pth
-# file (the agent imports polar_mitm's standard-library modules; mitmproxy is not installed
-# there), and DIR/servers/<type>/<name>/.venv link back to DIR, so that Gym, with
+# Gym"): about 1.4 GB with Ray; 4.5 minutes from PyPI on a busy 2-core machine, 13.5 at load
+# 10. This checkout goes on its path with a .pth file (the agent imports polar_mitm's
+# standard-library modules; mitmproxy is not installed there), and DIR/servers/<type>/<name>/.venv link back to DIR, so that Gym, with
 # `skip_venv_if_present: true` and `uv_venv_dir: DIR/servers`, uses it instead of building a venv
 # per server with uv from the network.
 POLAR_GYM_REQS="nemo-gym==0.4.0"
