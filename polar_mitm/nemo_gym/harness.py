@@ -1,0 +1,181 @@
+"""Running one unmodified harness (Pi, Claude Code, Codex) through polar-mitm, for one rollout.
+
+The harness gets what a rollout container would: a fresh workspace and HOME, the environment
+`polar-mitm env` prints (proxy URL with the rollout id as its user name, the CA variables), an API
+key ``polar-<rollout id>``, PATH and TERM; nothing else from the calling process (the Gym server's
+environment holds Gym's whole merged config). It runs in a process group of its own, so a timeout
+kills the harness and every child it started (Pi's and Claude's shell tools), not just the node
+process. Standard library only: this runs inside NeMo Gym's venv.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..certs import env_lines
+
+# The model name each harness asks for; the proxy replaces it with the policy's.
+DEFAULT_MODEL = "gpt-4.1-mini"
+# Where scripts/install_harnesses.sh puts the pinned harnesses (it honours the same variable).
+DEFAULT_BIN_DIR = (
+    Path(
+        os.environ.get("POLAR_HARNESS_DIR")
+        or Path.home() / ".cache" / "polar-mitm" / "npm-harnesses"
+    )
+    / "node_modules"
+    / ".bin"
+)
+PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def _pi_configure(home: Path, model: str) -> None:
+    """Pi reads its providers from ~/.pi/agent/models.json: one OpenAI-compatible provider
+    whose key is in OPENAI_API_KEY, at the real host (the proxy captures it there)."""
+    agent = home / ".pi" / "agent"
+    agent.mkdir(parents=True, exist_ok=True)
+    provider = {
+        "baseUrl": "https://api.openai.com/v1",
+        "api": "openai-completions",
+        "apiKey": "OPENAI_API_KEY",  # the name of the variable that holds the key
+        "models": [{"id": model}],
+    }
+    (agent / "models.json").write_text(json.dumps({"providers": {"polar": provider}}, indent=2))
+
+
+@dataclass(frozen=True)
+class Harness:
+    name: str
+    binary: str
+    key_variable: str
+    argv: Callable[[Path, str, str], list[str]]  # (bin dir, model, prompt) -> argv
+    configure: Callable[[Path, str], None] = lambda home, model: None  # (HOME, model)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+HARNESSES: dict[str, Harness] = {
+    "pi": Harness(
+        name="pi",
+        binary="pi",
+        key_variable="OPENAI_API_KEY",
+        argv=lambda b, model, prompt: [
+            str(b / "pi"),
+            "--provider",
+            "polar",
+            "--model",
+            model,
+            "-p",
+            prompt,
+        ],
+        configure=_pi_configure,
+    ),
+    "codex": Harness(
+        name="codex",
+        binary="codex",
+        key_variable="OPENAI_API_KEY",
+        argv=lambda b, model, prompt: [
+            str(b / "codex"),
+            "exec",
+            "--skip-git-repo-check",
+            "--dangerously-bypass-approvals-and-sandbox",
+            prompt,
+        ],
+    ),
+    "claude": Harness(
+        name="claude",
+        binary="claude",
+        key_variable="ANTHROPIC_API_KEY",
+        argv=lambda b, model, prompt: [
+            str(b / "claude"),
+            "-p",
+            "--dangerously-skip-permissions",
+            prompt,
+        ],
+        # As root, --dangerously-skip-permissions is refused unless told it is in a sandbox.
+        extra_env={"IS_SANDBOX": "1"},
+    ),
+}
+
+
+@dataclass
+class HarnessRun:
+    returncode: int | None  # None: it did not start, or was killed at the timeout
+    stdout: str
+    stderr: str
+    seconds: float
+    error: str | None  # why the run is not a success, in one line; None when it exited 0
+
+
+def harness_env(
+    harness: Harness, home: Path, proxy: str, ca_cert: Path, rollout_id: str
+) -> dict[str, str]:
+    """The harness's whole environment: `polar-mitm env` with the rollout id in the proxy URL
+    (Codex sends no key), the key ``polar-<rollout id>`` (the others), HOME, PATH, TERM."""
+    env = {"HOME": str(home), "PATH": PATH, "TERM": "dumb"}
+    for line in env_lines(proxy, ca_cert, rollout_id):
+        name, _, value = line[len("export ") :].partition("=")
+        env[name] = shlex.split(value)[0] if value else ""
+    env[harness.key_variable] = f"polar-{rollout_id}"
+    env.update(harness.extra_env)
+    return env
+
+
+async def run_harness(
+    harness: Harness,
+    bin_dir: Path,
+    model: str,
+    prompt: str,
+    workdir: Path,
+    env: dict[str, str],
+    timeout: float,
+) -> HarnessRun:
+    """Run the harness in `workdir` to completion or `timeout`; never raises for the harness's
+    own failures (a missing binary, a non-zero exit, a time-out: each is `error`)."""
+    harness.configure(Path(env["HOME"]), model)
+    argv = harness.argv(bin_dir, model, prompt)
+    started = time.monotonic()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=workdir,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,  # codex exec waits for more input on an open stdin
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group: a time-out kills its children too
+        )
+    except OSError as e:
+        return HarnessRun(None, "", "", 0.0, f"{harness.name} could not start ({argv[0]}): {e}")
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        kill_group(proc.pid)
+        out, err = await proc.communicate()
+        return HarnessRun(
+            None,
+            out.decode("utf-8", "replace"),
+            err.decode("utf-8", "replace"),
+            time.monotonic() - started,
+            f"{harness.name} timed out after {timeout:g} s (killed)",
+        )
+    finally:
+        kill_group(proc.pid)  # whatever it left running in the background
+    stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+    error = None
+    if proc.returncode != 0:
+        last = (stderr.strip() or stdout.strip()).splitlines()[-1:] or [""]
+        error = f"{harness.name} exited {proc.returncode}: {last[0][:300]}"
+    return HarnessRun(proc.returncode, stdout, stderr, time.monotonic() - started, error)
+
+
+def kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
