@@ -31,9 +31,9 @@ import aiohttp
 import bench
 
 LONG_COLUMNS = ("direct", "mitm-stream", "capture-floor", "polar-mitm", "polar-mitm@half")
-# The long sessions' rollouts stay open for the whole run (a turn waits for the other columns);
-# they end when the proxy stops, as a farm's open rollouts do at shutdown.
-LONG_OPTIONS = {"polar_rollout_idle": "0"}
+# The long sessions' rollouts stay open for the whole run (a turn waits for the other columns)
+# and end as a farm ends them: its reward posted to the control plane (`end_rollouts`).
+LONG_OPTIONS = {"polar_rollout_idle": "0", "polar_control_token": "bench-long-control"}
 SYSTEM_CHARS, TOOL_RESULT_CHARS, TOOLS = 40_000, 6_000, 10
 WORDS = [
     "the",
@@ -198,6 +198,21 @@ class Session:
         ]
 
 
+async def end_rollouts(ts: dict[str, bench.Target], sessions: int) -> None:
+    """Post each polar-mitm rollout's reward (its end: the proxy writes its trace), as a farm
+    does, through the proxy's control plane; the writing counts in that proxy's CPU."""
+    async with aiohttp.ClientSession() as s:
+        for column, t in ts.items():
+            if not column.startswith("polar-mitm"):
+                continue
+            for i in range(sessions):
+                url = f"http://polar.control/v1/rollouts/long-{column}.{i}/end"
+                auth = {"authorization": f"Bearer {LONG_OPTIONS['polar_control_token']}"}
+                async with s.post(url, json={"reward": 1.0}, proxy=t.proxy, headers=auth) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"ending {url}: {r.status} {await r.text()}")
+
+
 def disk_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -266,7 +281,6 @@ async def run_load(
         for c in ts
     }
     samples: dict[str, list[list[bench.Sample]]] = {c: [] for c in ts}
-    cpu0 = {c: t.child.cpu_seconds() for c, t in ts.items() if t.child is not None}
     order = list(ts)
     try:
         for column, t in ts.items():  # warm up (TLS, certificates) on rollouts of their own
@@ -276,8 +290,19 @@ async def run_load(
                     for i, s in enumerate(pools[column])
                 )
             )
+        cpu0 = {c: t.child.cpu_seconds() for c, t in ts.items() if t.child is not None}
         for turn in range(turns):
             bodies = [s.body() for s in convs]
+            # The server caches its render of a request (chat template + tokenizer, under a lock:
+            # about a second for a few 30k-token prompts on 2 busy cores): one unmeasured direct
+            # call per session first, so no column pays it for the others.
+            prime = ts["direct"]
+            await asyncio.gather(
+                *(
+                    bench.one_call(s, prime.url, None, False, f"prime.{i}", bodies[i])
+                    for i, s in enumerate(pools["direct"])
+                )
+            )
             for column in order[turn % len(order) :] + order[: turn % len(order)]:
                 if column == "polar-mitm@half" and turn >= turns // 2:
                     continue
@@ -296,6 +321,7 @@ async def run_load(
         for pool in pools.values():
             for s in pool:
                 await s.close()
+    await end_rollouts(ts, sessions)
     await asyncio.sleep(bench.SETTLE_S)
     cpu = {c: ts[c].child.cpu_seconds() - v for c, v in cpu0.items()}
     return samples, cpu, {}
