@@ -830,8 +830,12 @@ def long_main(args: argparse.Namespace) -> int:
     small = (2, 4) if args.smoke else (4, 12) if args.quick else (8, 30)
     args.long_sessions = args.sessions or small[0]
     args.long_turns = args.turns or small[1]
+    args.open_rollouts = 8 if args.smoke else 256
+    args.open_turns = 1 if args.smoke or args.quick else 2
     with tempfile.TemporaryDirectory(prefix="polar-bench-long-") as d:
         results = bench_long.measure_long(args, Path(d))
+    with tempfile.TemporaryDirectory(prefix="polar-bench-open-") as d:
+        results["open_rollouts"] = bench_long.measure_open_rollouts(args, Path(d))
     results["table"] = rows = bench_long.report_long(results)
     print_table(rows, bench_long.HEADER)
     if args.json:
@@ -871,7 +875,8 @@ def main() -> int:
         "--long",
         action="store_true",
         help="the long-session load instead (scripts/bench_long.py): agent sessions that re-send "
-        "a growing conversation; 8 sessions x 30 turns, --quick 4 x 12",
+        "a growing conversation, 8 sessions x 30 turns (--quick 4 x 12); then RSS with 256 "
+        "open rollouts of 2 turns (--quick 1)",
     )
     ap.add_argument("--sessions", type=int, default=None, help="--long: concurrent sessions")
     ap.add_argument("--turns", type=int, default=None, help="--long: turns per session")

@@ -198,33 +198,31 @@ class Session:
         ]
 
 
-async def end_rollouts(ts: dict[str, bench.Target], sessions: int) -> None:
-    """Post each polar-mitm rollout's reward (its end: the proxy writes its trace), as a farm
-    does, through the proxy's control plane; the writing counts in that proxy's CPU."""
+async def end_rollouts(proxy: str, rollouts: list[str]) -> None:
+    """Post each rollout's reward (its end: the proxy writes its trace), as a farm does, through
+    the proxy's control plane; that work counts in the proxy's CPU."""
+    auth = {"authorization": f"Bearer {LONG_OPTIONS['polar_control_token']}"}
     async with aiohttp.ClientSession() as s:
-        for column, t in ts.items():
-            if not column.startswith("polar-mitm"):
-                continue
-            for i in range(sessions):
-                url = f"http://polar.control/v1/rollouts/long-{column}.{i}/end"
-                auth = {"authorization": f"Bearer {LONG_OPTIONS['polar_control_token']}"}
-                async with s.post(url, json={"reward": 1.0}, proxy=t.proxy, headers=auth) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"ending {url}: {r.status} {await r.text()}")
+        for rollout in rollouts:
+            url = f"http://polar.control/v1/rollouts/{rollout}/end"
+            async with s.post(url, json={"reward": 1.0}, proxy=proxy, headers=auth) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"ending {url}: {r.status} {await r.text()}")
 
 
 def disk_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def conversation_tokens(folder: Path) -> int:
-    """Tokens of the final conversations: per rollout, its longest prompt plus that call's output."""
+def conversation_tokens(folder: Path, prefix: str = "long-") -> int:
+    """Tokens of the final conversations: per rollout (those named `prefix`...), its longest
+    prompt plus that call's output."""
     from polar_mitm.store import read_table
 
     calls = read_table(folder, "calls").to_pylist()
     best: dict[str, int] = {}
     for c in calls:
-        if c["rollout_id"].startswith("warm-"):
+        if not c["rollout_id"].startswith(prefix):
             continue
         n = len(c["prompt_token_ids"] or ()) + len(c["output_token_ids"] or ())
         best[c["rollout_id"]] = max(best.get(c["rollout_id"], 0), n)
@@ -249,13 +247,45 @@ def storage(folder: Path) -> dict[str, Any]:
                 name = chunk.path_in_schema.split(".")[0]
                 columns[name] = columns.get(name, 0) + chunk.total_compressed_size
     rollouts = {r for r in traces.column("rollout_id").to_pylist() if not r.startswith("warm-")}
+    whole = read_table(folder, "calls")  # every prompt and request whole, as schema 1 stored them
+    alternatives = {
+        name: parquet_bytes(whole, folder / f"alt-{i}.parquet", **opts)
+        for i, (name, opts) in enumerate(PARQUET_ALTERNATIVES.items())
+    }
     return {
         "traces_per_rollout": sum(
             1 for r in traces.column("rollout_id").to_pylist() if r in rollouts
         )
         / max(len(rollouts), 1),
         "calls_column_bytes": dict(sorted(columns.items(), key=lambda kv: -kv[1])[:6]),
+        "calls_bytes": sum(columns.values()),
+        "calls_bytes_whole_rows": alternatives,
     }
+
+
+# The alternative to storing deltas: whole rows, and Parquet settings that might dedupe them. All
+# in one file of every call (the best case: a proxy's shards split a rollout's calls), sorted by
+# rollout then time so that a call sits next to the one it extends; one page per column chunk so
+# that zstd's window spans more than one value.
+PARQUET_ALTERNATIVES: dict[str, dict[str, Any]] = {
+    "zstd (the store's settings)": {},
+    "zstd-19, sorted, 1 GiB pages": {
+        "sort": True,
+        "compression_level": 19,
+        "data_page_size": 1 << 30,
+    },
+}
+
+
+def parquet_bytes(table: Any, path: Path, sort: bool = False, **opts: Any) -> int:
+    import pyarrow.parquet as pq
+
+    if sort:
+        table = table.sort_by([("rollout_id", "ascending"), ("started_at", "ascending")])
+    pq.write_table(table, path, compression="zstd", **opts)
+    size = path.stat().st_size
+    path.unlink()
+    return size
 
 
 def peak_rss_mb(child: bench.Child) -> float:
@@ -267,9 +297,10 @@ def peak_rss_mb(child: bench.Child) -> float:
 
 async def run_load(
     ts: dict[str, bench.Target], sessions: int, turns: int
-) -> tuple[dict[str, list[list[bench.Sample]]], dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, list[list[bench.Sample]]], dict[str, float], dict[str, tuple[float, float]]]:
     """Every turn: each column in turn (rotating order) makes that turn's call of every session
-    at once. Returns the samples per column per turn, and each proxy's CPU and wall seconds."""
+    at once. Returns the samples per column per turn, each proxy's CPU seconds, and each
+    column's first call after start and the call after it (seconds, a short chat)."""
     convs = [Session(i) for i in range(sessions)]
     pools = {
         c: [
@@ -282,7 +313,14 @@ async def run_load(
     }
     samples: dict[str, list[list[bench.Sample]]] = {c: [] for c in ts}
     order = list(ts)
+    first: dict[str, tuple[float, float]] = {}
     try:
+        for column, t in ts.items():  # the first call after start, then a warm one (1 session)
+            one = [
+                await bench.one_call(pools[column][0], t.url, t.proxy, t.ssl, f"warm-{column}.f")
+                for _ in range(2)
+            ]
+            first[column] = (one[0].ttlb, one[1].ttlb)
         for column, t in ts.items():  # warm up (TLS, certificates) on rollouts of their own
             await asyncio.gather(
                 *(
@@ -321,10 +359,12 @@ async def run_load(
         for pool in pools.values():
             for s in pool:
                 await s.close()
-    await end_rollouts(ts, sessions)
+    for column, t in ts.items():
+        if column.startswith("polar-mitm"):
+            await end_rollouts(t.proxy, [f"long-{column}.{i}" for i in range(sessions)])
     await asyncio.sleep(bench.SETTLE_S)
     cpu = {c: ts[c].child.cpu_seconds() - v for c, v in cpu0.items()}
-    return samples, cpu, {}
+    return samples, cpu, first
 
 
 def p50(values: list[float]) -> float:
@@ -352,12 +392,13 @@ def measure_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 tmp, kind, upstream, confdir, name, LONG_OPTIONS, wait=False
             )
             ts[column] = bench.Target(bench.URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
-            data[column] = tmp / f"{name}-data"
+            if kind == "polar-mitm":
+                data[column] = tmp / f"{name}-data"
         for t in ts.values():
             if t.child is not None:
                 t.child.wait_ready()
         t0 = time.perf_counter()
-        samples, cpu, _ = asyncio.run(run_load(ts, args.long_sessions, args.long_turns))
+        samples, cpu, first = asyncio.run(run_load(ts, args.long_sessions, args.long_turns))
         wall = time.perf_counter() - t0
         rss = {c: peak_rss_mb(t.child) for c, t in ts.items() if t.child is not None}
     finally:
@@ -378,6 +419,8 @@ def measure_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "errors": len(flat) - len(ok),
             "early_ms_p50": 1000 * p50([s.ttlb for t in per_turn[:fifth] for s in t if s.ok]),
             "late_ms_p50": 1000 * p50([s.ttlb for t in per_turn[-fifth:] for s in t if s.ok]),
+            "first_call_ms": 1000 * first[column][0],
+            "warm_call_ms": 1000 * first[column][1],
             "ttlb_ms_by_turn": [1000 * p50([s.ttlb for s in t if s.ok]) for t in per_turn],
         }
         if column in cpu:
@@ -418,6 +461,15 @@ def report_long(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]
         row("latency p50, last fifth of the turns", "late_ms_p50", " ms", "{:.0f}"),
         row("peak RSS", "peak_rss_mb", " MB", "{:.0f}"),
     ]
+    rows.append(
+        (
+            "first call after start / the next",
+            f"{polar['first_call_ms']:.0f} / {polar['warm_call_ms']:.0f} ms",
+            f"{stream['first_call_ms']:.0f} / {stream['warm_call_ms']:.0f}",
+            f"{floor['first_call_ms']:.0f} / {floor['warm_call_ms']:.0f}",
+            f"{polar['first_call_ms'] / polar['warm_call_ms']:.2f} (polar-mitm's own ratio)",
+        )
+    )
     for when in ("early", "late"):
         key = f"{when}_ms_p50"
         p, s, f = (c[key] - direct[key] for c in (polar, stream, floor))
@@ -443,4 +495,85 @@ def report_long(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]
             else "",
         )
     )
+    if "open_rollouts" in results:
+        o = results["open_rollouts"]
+        rows.append(
+            (
+                f"RSS per unique token, {o['rollouts']} open rollouts x {o['turns']} turns",
+                f"{o['bytes_per_token']:.1f} B",
+                "",
+                "",
+                f"{o['rss_before_mb']:.0f} -> {o['rss_after_mb']:.0f} MB over "
+                f"{o['unique_tokens']:,} tokens",
+            )
+        )
+    alt = polar.get("calls_bytes_whole_rows") or {}
+    if alt:
+        rows.append(
+            (
+                "calls table MB: as stored / whole rows (" + " | ".join(alt) + ")",
+                f"{polar['calls_bytes'] / 1e6:.2f}",
+                "",
+                "",
+                " | ".join(f"{v / 1e6:.2f}" for v in alt.values()),
+            )
+        )
     return rows
+
+
+def measure_open_rollouts(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """RSS per unique token held by open rollouts: `args.open_rollouts` sessions of
+    `args.open_turns` turns each through one polar-mitm, none ended; the proxy's RSS after a
+    warm-up of as many short rollouts (ended: what every proxy holds anyway) and after the load,
+    over the tokens of the open rollouts' conversations (their final prompt and output)."""
+    from polar_mitm.certs import ensure_ca
+
+    confdir = tmp / "certs"
+    ssl_ctx = ssl.create_default_context(cafile=str(ensure_ca(confdir)))
+    server = bench.spawn_server(tmp, write_scenario(tmp, args.open_turns), 0, "server-open")
+    upstream = bench.server_url(server)
+    child, port = bench.start_proxy(
+        tmp, "polar-mitm", upstream, confdir, "open-polar-mitm", LONG_OPTIONS
+    )
+    target = bench.Target(bench.URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
+    n = args.open_rollouts
+
+    async def load() -> tuple[float, float]:
+        convs = [Session(i) for i in range(n)]
+        limit = asyncio.Semaphore(32)  # a farm's proxy sees many open rollouts, few calls at once
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+
+            async def call(key: str, body: dict[str, Any] | None) -> None:
+                async with limit:
+                    r = await bench.one_call(s, target.url, target.proxy, target.ssl, key, body)
+                    if not r.ok:
+                        raise RuntimeError(f"a call of {key} failed")
+
+            await asyncio.gather(*(call(f"warm-open.{i}", None) for i in range(n)))
+            await end_rollouts(target.proxy, [f"warm-open.{i}" for i in range(n)])
+            await asyncio.sleep(bench.SETTLE_S)
+            before = child.rss_mb()
+            for turn in range(args.open_turns):
+                await asyncio.gather(*(call(f"open.{i}", c.body()) for i, c in enumerate(convs)))
+                for c in convs:
+                    c.advance(turn)
+                bench.progress(f"open rollouts: turn {turn + 1}/{args.open_turns}")
+            await asyncio.sleep(bench.SETTLE_S)
+            return before, child.rss_mb()
+
+    try:
+        before, after = asyncio.run(load())
+        peak = peak_rss_mb(child)
+    finally:
+        child.stop()
+        server.stop()
+    tokens = conversation_tokens(tmp / "open-polar-mitm-data", prefix="open.")
+    return {
+        "rollouts": n,
+        "turns": args.open_turns,
+        "rss_before_mb": before,
+        "rss_after_mb": after,
+        "peak_rss_mb": peak,
+        "unique_tokens": tokens,
+        "bytes_per_token": (after - before) * 2**20 / tokens if tokens else float("nan"),
+    }

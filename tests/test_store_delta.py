@@ -194,3 +194,43 @@ def test_shared_ends_never_overlap_and_rebuild(a: str, b: str) -> None:
     assert p + q <= min(len(a), len(b))
     assert a[:p] == b[:p] and a[len(a) - q :] == b[len(b) - q :]
     assert a[:p] + b[p : len(b) - q] + a[len(a) - q :] == b
+
+
+def test_migrate_rewrites_schema_1_shards_smaller_and_reads_the_same(tmp_path: Path) -> None:
+    rows = interleaved(session("a", 8, 1), session("b", 8, 2))
+    old = pa.schema([f for f in CALLS_SCHEMA if f.name not in BASE_COLUMNS])
+    folder = tmp_path / "calls" / "date=2023-11-14"
+    folder.mkdir(parents=True)
+    for n, part in enumerate((rows[:6], rows[6:], rows[6:8])):  # the last: a crash's duplicates
+        table = pa.Table.from_pylist(part, schema=old)
+        pq.write_table(
+            table.replace_schema_metadata({"schema_version": "1"}),
+            folder / f"part-20231114T00000{n}Z-old-0000000{n}.parquet",
+            compression="zstd",
+        )
+    before = read_table(tmp_path, "calls").to_pylist()
+    proc = subprocess.run(
+        [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "migrated 3 calls shards (18 rows) to schema 2" in proc.stdout
+    assert read_table(tmp_path, "calls").to_pylist() == before
+    assert stored_sizes(tmp_path)[0] < sum(len(r["prompt_token_ids"]) for r in rows) / 3
+    again = subprocess.run(
+        [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "nothing to migrate (3 calls shards already schema 2)" in again.stdout
+    with Store(tmp_path):  # a running proxy holds the lock: migrate refuses
+        busy = subprocess.run(
+            [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert busy.returncode == 1 and "in use by another polar-mitm store" in busy.stderr

@@ -108,7 +108,7 @@ class PromptDelta:
         request = request if isinstance(request, str) else None
         changes: dict[str, Any] = {}
         base = self._last.get(rollout)
-        if base is not None:
+        if base is not None and base[0] != call_id:  # the same call twice: a crash's duplicate
             _, base_seq, base_request = base
             if prompt is not None and base_seq is not None:
                 n = shared_prefix(base_seq, prompt)
