@@ -830,7 +830,7 @@ def long_main(args: argparse.Namespace) -> int:
     small = (2, 4) if args.smoke else (4, 12) if args.quick else (8, 30)
     args.long_sessions = args.sessions or small[0]
     args.long_turns = args.turns or small[1]
-    args.open_rollouts = 8 if args.smoke else 256
+    args.open_rollouts = 8 if args.smoke else 64 if args.quick else 256
     args.open_turns = 1 if args.smoke or args.quick else 2
     with tempfile.TemporaryDirectory(prefix="polar-bench-long-") as d:
         results = bench_long.measure_long(args, Path(d))
@@ -876,7 +876,7 @@ def main() -> int:
         action="store_true",
         help="the long-session load instead (scripts/bench_long.py): agent sessions that re-send "
         "a growing conversation, 8 sessions x 30 turns (--quick 4 x 12); then RSS with 256 "
-        "open rollouts of 2 turns (--quick 1)",
+        "open rollouts of 2 turns (--quick 64 of 1)",
     )
     ap.add_argument("--sessions", type=int, default=None, help="--long: concurrent sessions")
     ap.add_argument("--turns", type=int, default=None, help="--long: turns per session")
