@@ -532,8 +532,10 @@ def measure_open_rollouts(args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     ssl_ctx = ssl.create_default_context(cafile=str(ensure_ca(confdir)))
     server = bench.spawn_server(tmp, write_scenario(tmp, args.open_turns), 0, "server-open")
     upstream = bench.server_url(server)
+    # shards every second: the figure is what open rollouts hold, not the store's unflushed rows
+    options = {**LONG_OPTIONS, "polar_flush_seconds": "1"}
     child, port = bench.start_proxy(
-        tmp, "polar-mitm", upstream, confdir, "open-polar-mitm", LONG_OPTIONS
+        tmp, "polar-mitm", upstream, confdir, "open-polar-mitm", options
     )
     target = bench.Target(bench.URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
     n = args.open_rollouts
@@ -551,14 +553,14 @@ def measure_open_rollouts(args: argparse.Namespace, tmp: Path) -> dict[str, Any]
 
             await asyncio.gather(*(call(f"warm-open.{i}", None) for i in range(n)))
             await end_rollouts(target.proxy, [f"warm-open.{i}" for i in range(n)])
-            await asyncio.sleep(bench.SETTLE_S)
+            await asyncio.sleep(2 * bench.SETTLE_S)
             before = child.rss_mb()
             for turn in range(args.open_turns):
                 await asyncio.gather(*(call(f"open.{i}", c.body()) for i, c in enumerate(convs)))
                 for c in convs:
                     c.advance(turn)
                 bench.progress(f"open rollouts: turn {turn + 1}/{args.open_turns}")
-            await asyncio.sleep(bench.SETTLE_S)
+            await asyncio.sleep(2 * bench.SETTLE_S)
             return before, child.rss_mb()
 
     try:
