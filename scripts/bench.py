@@ -31,6 +31,7 @@ Absolute times on shared machines are noise; the ratios in one run are the resul
     python scripts/bench.py --quick --markdown # and the README's Markdown table
     python scripts/bench.py --quick --variant nohold:polar_durable_replies=false
                                                # one more polar-mitm column, other settings
+    python scripts/bench.py --long [--quick]   # long agent sessions instead (bench_long.py)
 """
 
 from __future__ import annotations
