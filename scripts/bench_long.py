@@ -238,7 +238,10 @@ def storage(folder: Path) -> dict[str, Any]:
 
     traces = read_table(folder, "traces")
     columns: dict[str, int] = {}
+    with_base = 0  # calls stored as what they add to an earlier one (schema 2)
     for path in list_shards(folder, "calls"):
+        base = pq.read_table(path, columns=["base_call_id"]).column(0)
+        with_base += len(base) - base.null_count
         meta = pq.ParquetFile(path).metadata
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
@@ -259,6 +262,7 @@ def storage(folder: Path) -> dict[str, Any]:
         / max(len(rollouts), 1),
         "calls_column_bytes": dict(sorted(columns.items(), key=lambda kv: -kv[1])[:6]),
         "calls_bytes": sum(columns.values()),
+        "calls_with_base": with_base,
         "calls_bytes_whole_rows": alternatives,
     }
 
