@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from .sse import dumps
+from . import fastjson
 
 log = logging.getLogger(__name__)
 REDACTED = "[redacted]"
@@ -277,9 +277,9 @@ def redacted_json(obj: Any, secrets: Iterable[str] = ()) -> str:
     so the text is written first and the tree copied (`redact_obj`) only when a credential-named
     key shows up in it: such names need no JSON escaping, so each key of them appears in compact
     JSON as `{"name":` or `,"name":`, and never so inside a string (its quotes are escaped)."""
-    text = dumps(obj)
+    text = fastjson.dumps(obj)
     if _SECRET_KEY_IN_JSON.search(text):
-        text = dumps(redact_obj(obj))
+        text = fastjson.dumps(redact_obj(obj))
     return scrub(text, secrets)
 
 

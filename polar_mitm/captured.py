@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from .store import SCHEMAS, dedupe, list_shards
+from .store.delta import NEEDS, resolve
 from .store.shards import resolve_output
 
 # Columns the summary, the calls table and the report need from calls/ (not the request/response
@@ -106,7 +107,7 @@ def read(
     paths = shard_paths(output, dataset)
     schema = SCHEMAS[dataset]
     if columns is not None:
-        wanted = list(dict.fromkeys([*_KEYS[dataset], *columns]))
+        wanted = list(dict.fromkeys([*_KEYS[dataset], *columns, *_needs(dataset, columns)]))
         schema = pa.schema([schema.field(c) for c in wanted])
     if not paths:
         if required:
@@ -126,7 +127,20 @@ def read(
     except (OSError, ValueError, pa.ArrowException) as e:
         raise DataError(f"cannot read the {dataset} shards under {output}: {e}") from None
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    return dedupe(dataset, table)
+    table = dedupe(dataset, table)
+    if dataset != "calls":
+        return table
+    table = resolve(table)
+    extra = [c for c in _needs(dataset, columns or ()) if columns is not None and c not in columns]
+    return table.drop_columns(extra) if extra else table
+
+
+def _needs(dataset: str, columns: Sequence[str]) -> list[str]:
+    """The columns a calls read needs to give prompt ids and requests back whole (store/delta.py:
+    they may be stored as what they add to an earlier call)."""
+    if dataset != "calls":
+        return []
+    return list(dict.fromkeys(n for c in columns for n in NEEDS.get(c, ())))
 
 
 def _progress(items: Sequence[str], what: str, enabled: bool) -> Iterable[str]:

@@ -539,6 +539,34 @@ def recover(directory: str, journal: str | None) -> None:
     click.echo(str(report))
 
 
+@main.command(short_help="Rewrite schema-1 calls shards as schema 2 (smaller).")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--journal",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Journal dir whose lock keeps a proxy out meanwhile (default: DIRECTORY/_journal).",
+)
+def migrate(directory: str, journal: str | None) -> None:
+    """Store each call of old shards as what it adds to its rollout's previous call.
+
+    Old shards read the same without it; this reclaims their space (docs/store.md, schema 2).
+    """
+    from .store.migrate import migrate as migrate_shards
+
+    try:
+        report = migrate_shards(directory, journal_dir=journal)
+    except (OSError, ValueError, RuntimeError, pa_errors()) as e:
+        fail(f"cannot migrate {directory}: {e}")
+    click.echo(str(report))
+
+
+def pa_errors() -> type[Exception]:
+    import pyarrow as pa
+
+    return pa.ArrowException
+
+
 def _register_optional() -> None:
     """Commands whose modules are written separately, imported when they are run."""
     LazyGroup.lazy["policy-server"] = "polar_mitm.policy_server.cli:policy_server"

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from . import fastjson
 from .assemble import ChatAssembler, reply_to_chunks
 from .capture import CallRecord, CallSink, deliver, now_us, redacted_json
 from .dialects import Dialect, HarnessRequest, StreamTranslator
@@ -193,8 +194,9 @@ class Call:
                 sock_read=self.settings.stall_timeout,
             )
             for retry in (False, True):
+                data = fastjson.dumps_bytes(body)  # once per try: a retry changes the body
                 self.upstream_sent_at = now_us()
-                async with session.post(url, json=body, timeout=timeout) as resp:
+                async with session.post(url, data=data, headers=_JSON, timeout=timeout) as resp:
                     if resp.status != 200:
                         failure = await self._upstream_error(resp)
                         if not retry and self._drop_output_cap(resp.status, failure, body):
@@ -579,9 +581,12 @@ class Call:
             self.finish(status, reason)
 
 
+_JSON = {"content-type": "application/json"}
+
+
 def _json_value(data: str, what: str) -> Any:
     """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused."""
-    value = json.loads(data)
+    value = fastjson.loads(data)
     if "\\ud" in data or "\\uD" in data:  # rare: only then look at the strings
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")

@@ -31,6 +31,7 @@ Absolute times on shared machines are noise; the ratios in one run are the resul
     python scripts/bench.py --quick --markdown # and the README's Markdown table
     python scripts/bench.py --quick --variant nohold:polar_durable_replies=false
                                                # one more polar-mitm column, other settings
+    python scripts/bench.py --long [--quick]   # long agent sessions instead (bench_long.py)
 """
 
 from __future__ import annotations
@@ -799,9 +800,9 @@ def report(results: dict) -> list[tuple[str, str, str, str, str]]:
 HEADER = ("figure", "polar-mitm", "floor / others", "ratio", "vs capture-floor (its ratio)")
 
 
-def print_table(rows: list[tuple[str, str, str, str, str]]) -> None:
-    widths = [max(len(r[i]) for r in [*rows, HEADER]) for i in range(len(HEADER))]
-    for row in [HEADER, tuple("-" * w for w in widths), *rows]:
+def print_table(rows: list[tuple[str, ...]], header: tuple[str, ...] = HEADER) -> None:
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
+    for row in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
 
 
@@ -821,6 +822,27 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(f"{conc[1:]} concurrent session(s), paced upstream")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def long_main(args: argparse.Namespace) -> int:
+    """`--long`: the long-session load, its table and --json figures."""
+    import bench_long  # noqa: PLC0415 - scripts/ is on sys.path
+
+    small = (2, 4) if args.smoke else (4, 12) if args.quick else (8, 30)
+    args.long_sessions = args.sessions or small[0]
+    args.long_turns = args.turns or small[1]
+    args.open_rollouts = 8 if args.smoke else 64 if args.quick else 256
+    args.open_turns = 1 if args.smoke or args.quick else 2
+    with tempfile.TemporaryDirectory(prefix="polar-bench-long-") as d:
+        results = bench_long.measure_long(args, Path(d))
+    with tempfile.TemporaryDirectory(prefix="polar-bench-open-") as d:
+        results["open_rollouts"] = bench_long.measure_open_rollouts(args, Path(d))
+    results["table"] = rows = bench_long.report_long(results)
+    print_table(rows, bench_long.HEADER)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 def main() -> int:
@@ -851,6 +873,15 @@ def main() -> int:
         "nohold:polar_durable_replies=false (repeatable)",
     )
     ap.add_argument(
+        "--long",
+        action="store_true",
+        help="the long-session load instead (scripts/bench_long.py): agent sessions that re-send "
+        "a growing conversation, 8 sessions x 30 turns (--quick 4 x 12); then RSS with 256 "
+        "open rollouts of 2 turns (--quick 64 of 1)",
+    )
+    ap.add_argument("--sessions", type=int, default=None, help="--long: concurrent sessions")
+    ap.add_argument("--turns", type=int, default=None, help="--long: turns per session")
+    ap.add_argument(
         "--markdown",
         action="store_true",
         help="also print the table as Markdown, goals judged (what the README shows)",
@@ -864,6 +895,8 @@ def main() -> int:
         if not pairs or any(len(kv) != 2 for kv in pairs):
             ap.error(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
         VARIANTS[name] = dict(pairs)
+    if args.long:
+        return long_main(args)
     args.slices = 1 if args.smoke else 4
     if args.smoke:
         args.tokens, args.calls1, args.calls32, args.seconds, args.rss_calls = (

@@ -4,6 +4,8 @@ throughput load (32 concurrent streaming chat calls, upstream as fast as it goes
 
     .venv/bin/pip install py-spy      # not a test dependency
     .venv/bin/python scripts/bench_profile.py [--seconds 12] [--tokens 8] [--raw out.txt]
+    .venv/bin/python scripts/bench_profile.py --long [--sessions 4] [--turns 12]
+                                      # under scripts/bench.py --long's load instead
 
 Prints the share of the main thread's samples (the event loop, where every call's work runs)
 spent inside each part of the capture path, and the calls/s reached while sampling (lower than
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import collections
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -59,15 +62,89 @@ def shares(raw: Path) -> tuple[int, dict[str, float]]:
     return main, {fn: under[fn] / main if main else 0.0 for fn in PARTS.values()}
 
 
+def top_leaves(raw: Path, n: int = 15) -> list[tuple[float, str]]:
+    """The functions where the samples of every thread were (self time), largest share first."""
+    total = 0
+    leaf: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        total += int(count)
+        leaf[
+            frames[-1].split(" (")[0] + (" [main]" if frames[0].startswith("<module>") else "")
+        ] += int(count)
+    return [(c / total, f) for f, c in leaf.most_common(n)] if total else []
+
+
+def profile_long(args: argparse.Namespace, spy: str) -> int:
+    """py-spy on polar-mitm under the long-session load (scripts/bench_long.py), every thread."""
+    import bench_long  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="polar-profile-long-") as d:
+        tmp = Path(d)
+        from polar_mitm.certs import ensure_ca
+
+        ctx = ssl.create_default_context(cafile=str(ensure_ca(tmp / "certs")))
+        scenario = bench_long.write_scenario(tmp, args.turns)
+        server, url = bench.start_server(tmp, scenario, 0, "server")
+        proxy, port = bench.start_proxy(
+            tmp, "polar-mitm", url, tmp / "certs", "long-polar-mitm", bench_long.LONG_OPTIONS
+        )
+        raw = args.raw or tmp / "samples.txt"
+        ts = {
+            "direct": bench.Target(url + "/v1/chat/completions", None, False),
+            "polar-mitm": bench.Target(bench.URL, f"http://127.0.0.1:{port}", ctx, proxy),
+        }
+        try:
+            sampler = subprocess.Popen(
+                [
+                    spy,
+                    "record",
+                    "-p",
+                    str(proxy.proc.pid),
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(raw),
+                    "-r",
+                    "200",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            asyncio.run(bench_long.run_load(ts, args.sessions, args.turns))
+            sampler.send_signal(signal.SIGINT)
+            if sampler.wait(60) not in (0, -signal.SIGINT):
+                sys.exit(f"bench_profile.py: py-spy failed: {sampler.stderr.read()[-2000:]}")
+        finally:
+            proxy.stop()
+            server.stop()
+        total, part = shares(raw)
+        leaves = top_leaves(raw)
+    print(f"{args.sessions} sessions x {args.turns} turns; {total} main-thread samples")
+    for label, fn in PARTS.items():
+        print(f"{100 * part[fn]:5.1f} %  {label}")
+    print("self time, every thread ([main]: the event loop):")
+    for share, fn in leaves:
+        print(f"{100 * share:5.1f} %  {fn}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--tokens", type=int, default=8, help="tokens per reply")
     ap.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw samples here")
+    ap.add_argument("--long", action="store_true", help="the long-session load instead")
+    ap.add_argument("--sessions", type=int, default=4, help="--long: concurrent sessions")
+    ap.add_argument("--turns", type=int, default=12, help="--long: turns per session")
     args = ap.parse_args()
     spy = shutil.which("py-spy", path=str(bench.BIN)) or shutil.which("py-spy")
     if spy is None:
         sys.exit("bench_profile.py: py-spy is not installed (.venv/bin/pip install py-spy)")
+    if args.long:
+        return profile_long(args, spy)
     with tempfile.TemporaryDirectory(prefix="polar-profile-") as d:
         tmp = Path(d)
         from polar_mitm.certs import ensure_ca

@@ -52,6 +52,41 @@ def test_bench_smoke(tmp_path):
     assert results["inprocess"]["exact_hot_ms_cpu_per_call"] > 0  # scripts/bench_exact.py
 
 
+def test_bench_long_smoke(tmp_path):
+    """The long-session load (`--long`): 2 sessions x 4 turns, 8 open rollouts."""
+    out = tmp_path / "long.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench.py"),
+            "--long",
+            "--smoke",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    cols = results["columns"]
+    for column in ("direct", "mitm-stream", "capture-floor", "polar-mitm"):
+        assert cols[column]["calls"] == 8 and cols[column]["errors"] == 0, (column, cols[column])
+    assert cols["polar-mitm@half"]["calls"] == 4  # stopped at half the turns
+    for column in ("mitm-stream", "capture-floor", "polar-mitm"):
+        assert cols[column]["cpu_ms_per_call"] > 0 and cols[column]["peak_rss_mb"] > 0
+    polar = cols["polar-mitm"]
+    assert polar["traces_per_rollout"] == 1.0  # the merge saw each session as one conversation
+    # every call after a session's first is stored as what it adds (schema 2), and smaller
+    assert polar["calls_with_base"] == 2 * 3, polar
+    assert polar["calls_bytes"] < polar["calls_bytes_whole_rows"]["zstd (the store's settings)"]
+    assert 0 < polar["bytes_per_token"] < 20
+    assert results["open_rollouts"]["unique_tokens"] > 8 * 10_000  # 8 first calls of ~12k tokens
+    assert "bytes on disk per token of the final conversations" in proc.stdout
+
+
 def test_profile_parts_name_real_functions():
     """scripts/bench_profile.py finds each part by its function's name in py-spy's stacks; a
     renamed function would silently show 0 %."""

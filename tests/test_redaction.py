@@ -35,7 +35,13 @@ TEXT = st.sampled_from(
     ['{"api_key":"sk-1"}', ',"password":', '\\",\\"secret\\":', "plain", "", "é ünïcode"]
 ) | st.text(max_size=12)
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | TEXT,
+    # finite floats: NaN and Infinity are not JSON, and msgspec (polar_mitm/fastjson.py) writes
+    # them as null where the stdlib writes NaN
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | TEXT,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=4),
     max_leaves=25,
 )
@@ -51,7 +57,8 @@ def reference(obj: object, secrets: list[str]) -> str:
 @settings(max_examples=400, deadline=None)
 @given(JSON, st.lists(st.sampled_from(["sk-1", "hunter22", "secret-value"]), max_size=2))
 def test_redacted_json_equals_redacting_first(obj: object, secrets: list[str]) -> None:
-    assert redacted_json(obj, secrets) == reference(obj, secrets)
+    # the same JSON value (msgspec spells a float 1e16 where the stdlib writes 1e+16)
+    assert json.loads(redacted_json(obj, secrets)) == json.loads(reference(obj, secrets))
 
 
 def test_credential_keys_are_blanked_at_any_depth() -> None:

@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from .. import fastjson
+
 # A JSON escape of a UTF-16 surrogate. Paired ones (an emoji from an ASCII-only encoder) are fine;
 # a lone one decodes to a string that cannot be encoded as UTF-8, so no store or server can take it.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -117,7 +119,7 @@ def load_json_object(body: bytes) -> dict[str, Any]:
         # Strict UTF-8 (RFC 8259), not json's own decoding: that one lets surrogates encoded as
         # bytes through ("surrogatepass"), and no store or tokenizer takes them.
         text = body.decode("utf-8")
-        data = json.loads(text)
+        data = fastjson.loads(text)
     except RecursionError:
         raise DialectError("request body is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of 5000 digits

@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
+from .delta import resolve
 from .schema import SCHEMAS
 from .shards import Location, resolve_output
 
@@ -84,7 +85,7 @@ def read_table(
     """All shards of ``calls`` or ``traces`` as one table of the current schema.
 
     Shards written under an older schema read fine: the current schema is imposed, and columns they
-    lack come back as nulls. The ``date`` partition is not a column here (it is derived from the
+    lack come back as nulls. Calls come back with their full prompt ids and requests (`delta.resolve`). The ``date`` partition is not a column here (it is derived from the
     row's own timestamps); ``pyarrow.dataset.dataset(<output>/<dataset>, partitioning="hive")``
     gives it to those who want it.
     """
@@ -95,4 +96,5 @@ def read_table(
     if not paths:
         return schema.empty_table()
     table = ds.dataset(paths, schema=schema, format="parquet", filesystem=location.fs).to_table()
-    return dedupe(dataset, table) if dedup else table
+    table = dedupe(dataset, table) if dedup else table
+    return resolve(table) if dataset == "calls" else table

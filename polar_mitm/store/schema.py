@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+# 2: prompt ids and request_json as a reference to the call they extend plus what is new
+# (store/delta.py);
+# schema-1 shards (whole prompts and requests) read the same; `polar-mitm migrate` rewrites them.
+SCHEMA_VERSION = 2
 
 _TS = pa.timestamp("us", tz="UTC")
 _IDS = pa.list_(pa.int32())
@@ -40,7 +43,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("model_served", pa.string()),
         pa.field("policy_version", pa.string()),  # when the call started
         pa.field("policy_version_end", pa.string()),  # when it finished (differs: untrainable)
-        pa.field("prompt_token_ids", _IDS),
+        pa.field("prompt_token_ids", _IDS),  # with prompt_base_len: only the ids after those
         pa.field("output_token_ids", _IDS),
         pa.field("output_logprobs", _FLOATS),
         pa.field("ids_source", pa.string()),  # upstream | retokenized | none
@@ -60,6 +63,11 @@ CALLS_SCHEMA = pa.schema(
         pa.field("headers_json", pa.string()),  # harness request headers, redacted
         # what the dialect left out translating the request (e.g. a billing-header system block)
         pa.field("translation_notes", pa.list_(pa.string())),
+        # schema 2 (store/delta.py): what this call shares with the rollout's previous call
+        pa.field("base_call_id", pa.string()),  # that call
+        pa.field("prompt_base_len", pa.int32()),  # ids shared with its prompt + output
+        pa.field("request_base_prefix", pa.int32()),  # characters shared with its request_json
+        pa.field("request_base_suffix", pa.int32()),  # ... at the start, and at the end
     ]
 )
 

@@ -43,6 +43,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from .delta import PromptDelta
 from .journal import (
     DirectoryLock,
     Manifest,
@@ -217,6 +218,7 @@ class Store:
         # shards announced in the manifest whose round has not closed yet (kept by a compaction)
         self._open_intents: list[tuple[str, str]] = []
         self._pending = {d: _Pending() for d in SCHEMAS}
+        self._delta = PromptDelta()  # the journal thread's: prompts as base + suffix
         self._outstanding: Counter[int] = Counter()
         self._skip: dict[int, set[int]] = {}  # recovery: superseded records per segment
         self._keep: set[int] = set()  # unreadable leftover segments: never deleted by us
@@ -579,7 +581,7 @@ class Store:
             seq, dataset, row = item
             last_seq = seq
             try:
-                row = prepare_row(dataset, row)
+                row = self._delta.encode(dataset, prepare_row(dataset, row))
                 payload = pack_record(dataset, row)
             except Exception as exc:
                 self._drop(f"{dataset} row cannot be encoded ({exc})")

@@ -1,0 +1,51 @@
+"""polar_mitm/fastjson.py: msgspec where it gives the stdlib's value, the stdlib where it does not."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from polar_mitm import fastjson
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON)
+def test_the_same_values_as_the_stdlib(value) -> None:
+    text = json.dumps(value, ensure_ascii=False)
+    assert fastjson.loads(text) == json.loads(text)
+    assert fastjson.loads(text.encode()) == json.loads(text)
+    assert json.loads(fastjson.dumps(value)) == value
+    assert json.loads(fastjson.dumps_bytes(value)) == value
+
+
+def test_what_msgspec_refuses_is_the_stdlibs() -> None:
+    assert fastjson.loads("[1e400, 18446744073709551616, -9223372036854775809]") == [
+        math.inf,
+        2**64,
+        -(2**63) - 1,
+    ]  # orjson, tried first, made the big ones floats
+    assert math.isnan(fastjson.loads("NaN"))
+    assert fastjson.loads('"\\ud800"') == "\ud800"  # callers then refuse it, as before
+    deep = "[" * 500 + "]" * 500
+    with pytest.raises(RecursionError):  # the stdlib's error, which the callers turn into a 400
+        fastjson.loads("[" * 100_000 + "]" * 100_000)
+    assert fastjson.loads(deep) == json.loads(deep)
+    with pytest.raises(json.JSONDecodeError, match="Expecting property name"):
+        fastjson.loads("{")
+    assert fastjson.dumps({1: 2**70}) == '{"1":1180591620717411303424}'
+    assert fastjson.dumps_bytes("\ud800") == b'"\\ud800"'  # ASCII: never invalid UTF-8
+    assert fastjson.dumps({"a": "é\n"}) == '{"a":"é\\n"}'  # compact, non-ASCII kept

@@ -1,0 +1,236 @@
+"""Schema 2: calls stored as what they add to the rollout's previous call (store/delta.py).
+
+Real Stores in tmp_path: rows go through the journal thread's encoder into real Parquet shards,
+and come back whole through `store.read_table` and the CLI's `captured.read`; a crash in a child
+process replays encoded rows from the journal; a schema-1 shard still reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from polar_mitm import captured
+from polar_mitm.store import CALLS_SCHEMA, Store, list_shards, read_table
+from polar_mitm.store.delta import BASE_COLUMNS, resolve, shared_ends
+
+TOOLS = [
+    {"type": "function", "function": {"name": f"t{i}", "description": "x" * 300}} for i in range(3)
+]
+
+
+def session(rollout: str, turns: int, seed: int, context: int = 2000) -> list[dict]:
+    """A rollout as an agent harness makes it: every call re-sends the conversation so far (its
+    prompt the last prompt + the last output + a tool result; its request the messages + tools)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(151_000) for _ in range(context)]
+    messages = [{"role": "system", "content": "s" * 4000}, {"role": "user", "content": "go"}]
+    rows = []
+    for t in range(turns):
+        output = [rng.randrange(151_000) for _ in range(30)]
+        body = {"model": "m", "messages": messages, "tools": TOOLS, "stream": True}
+        rows.append(
+            {
+                "call_id": f"{rollout}-{t}",
+                "rollout_id": rollout,
+                "started_at": 1_700_000_000_000_000 + t,
+                "prompt_token_ids": list(prompt),
+                "output_token_ids": output,
+                "output_logprobs": [-0.5] * len(output),
+                "request_json": json.dumps(body, separators=(",", ":")),
+                "status": "completed",
+            }
+        )
+        result = [rng.randrange(151_000) for _ in range(500)]
+        prompt = prompt + output + result
+        messages = [
+            *messages,
+            {"role": "assistant", "content": f"turn {t}"},
+            {"role": "tool", "content": "r" * 2000 + str(t)},
+        ]
+    return rows
+
+
+def stored_sizes(out: Path) -> tuple[int, int]:
+    """Ids and request characters in the shards as stored (not resolved)."""
+    ids = chars = 0
+    for path in list_shards(out, "calls"):
+        t = pq.read_table(path, columns=["prompt_token_ids", "request_json"])
+        ids += sum(len(v) for v in t.column("prompt_token_ids").to_pylist() if v)
+        chars += sum(len(v) for v in t.column("request_json").to_pylist() if v)
+    return ids, chars
+
+
+def interleaved(*rollouts: list[dict]) -> list[dict]:
+    return [row for turn in zip(*rollouts, strict=True) for row in turn]
+
+
+def test_a_long_rollout_is_stored_linear_and_read_back_whole(tmp_path: Path) -> None:
+    rows = interleaved(session("a", 12, 1), session("b", 12, 2))
+    with Store(tmp_path, flush_rows=5) as store:  # several shards: bases in earlier ones
+        for row in rows:
+            store.append("calls", row)
+    assert len(list_shards(tmp_path, "calls")) >= 3
+    ids, chars = stored_sizes(tmp_path)
+    whole_ids = sum(len(r["prompt_token_ids"]) for r in rows)
+    whole_chars = sum(len(r["request_json"]) for r in rows)
+    # each rollout's first prompt whole, then only what each call adds (output + tool result)
+    assert ids == 2 * (2000 + 11 * 500), (ids, whole_ids)
+    assert chars < whole_chars / 4, (chars, whole_chars)
+    table = read_table(tmp_path, "calls")
+    back = {r["call_id"]: r for r in table.to_pylist()}
+    for row in rows:
+        assert back[row["call_id"]]["prompt_token_ids"] == row["prompt_token_ids"]
+        assert back[row["call_id"]]["request_json"] == row["request_json"]
+        assert all(back[row["call_id"]][c] is None for c in BASE_COLUMNS)
+    # the CLI's reader: a column subset and one rollout's rows, pushed down into the scan
+    few = captured.read(
+        str(tmp_path), "calls", ["rollout_id", "prompt_token_ids"], progress=False, rollout="b"
+    )
+    assert few.column_names == ["call_id", "rollout_id", "prompt_token_ids"]
+    want = [r["prompt_token_ids"] for r in rows if r["rollout_id"] == "b"]
+    assert few.column("prompt_token_ids").to_pylist() == want
+
+
+def test_a_prompt_that_does_not_extend_the_last_call_is_stored_whole(tmp_path: Path) -> None:
+    rows = session("a", 3, 1)
+    rows.append({**session("a", 1, 99)[0], "call_id": "a-new"})  # a new conversation, same rollout
+    with Store(tmp_path) as store:
+        for row in rows:
+            store.append("calls", row)
+    stored = {
+        r["call_id"]: r
+        for path in list_shards(tmp_path, "calls")
+        for r in pq.read_table(path).to_pylist()
+    }
+    assert stored["a-new"]["prompt_base_len"] is None
+    assert len(stored["a-new"]["prompt_token_ids"]) == 2000
+    assert stored["a-1"]["base_call_id"] == "a-0" and stored["a-1"]["prompt_base_len"] == 2030
+    back = {r["call_id"]: r for r in read_table(tmp_path, "calls").to_pylist()}
+    assert [back[r["call_id"]]["prompt_token_ids"] for r in rows] == [
+        r["prompt_token_ids"] for r in rows
+    ]
+
+
+def test_a_missing_base_reads_back_null_with_a_warning(tmp_path: Path, caplog) -> None:
+    rows = session("a", 3, 1)
+    with Store(tmp_path) as store:
+        for row in rows:
+            store.append("calls", row)
+    [path] = list_shards(tmp_path, "calls")
+    table = pq.read_table(path)
+    without_first = table.filter(pa.compute.not_equal(table.column("call_id"), "a-0"))
+    with caplog.at_level(logging.WARNING, logger="polar_mitm.store"):
+        back = resolve(without_first.select(CALLS_SCHEMA.names)).to_pylist()
+    assert [r["prompt_token_ids"] for r in back] == [None, None]
+    assert [r["request_json"] for r in back] == [None, None]
+    assert "call a-1 extends call a-0, which is not in the shards read" in caplog.text
+
+
+def test_a_schema_1_shard_reads_as_before(tmp_path: Path) -> None:
+    rows = session("a", 3, 1)
+    old = pa.schema([f for f in CALLS_SCHEMA if f.name not in BASE_COLUMNS])
+    folder = tmp_path / "calls" / "date=2023-11-14"
+    folder.mkdir(parents=True)
+    pq.write_table(
+        pa.Table.from_pylist(rows, schema=old).replace_schema_metadata({"schema_version": "1"}),
+        folder / "part-20231114T000000Z-old-00000001.parquet",
+    )
+    back = read_table(tmp_path, "calls").to_pylist()
+    assert [r["prompt_token_ids"] for r in back] == [r["prompt_token_ids"] for r in rows]
+
+
+CRASH = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[2])
+    from tests.test_store_delta import session
+    from polar_mitm.store import Store
+    store = Store(sys.argv[1], flush_age_s=3600)
+    store.start()
+    for row in session("a", 6, 1):
+        store.append("calls", row)
+    assert store.sync(10)
+    os._exit(9)  # journaled (encoded), never in a shard
+    """
+)
+
+
+def test_encoded_rows_replayed_from_the_journal_read_back_whole(tmp_path: Path) -> None:
+    repo = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASH, str(tmp_path), repo],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": repo},
+    )
+    assert proc.returncode == 9, proc.stderr
+    assert not list_shards(tmp_path, "calls")
+    with Store(tmp_path) as store:
+        assert store.stats["appended"] == 0
+    assert stored_sizes(tmp_path)[0] == 2000 + 5 * 500  # replayed as journaled: encoded
+    back = read_table(tmp_path, "calls").to_pylist()
+    assert [r["prompt_token_ids"] for r in back] == [
+        r["prompt_token_ids"] for r in session("a", 6, 1)
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text("ab{}", max_size=40), st.text("ab{}", max_size=40))
+def test_shared_ends_never_overlap_and_rebuild(a: str, b: str) -> None:
+    p, q = shared_ends(a, b)
+    assert p + q <= min(len(a), len(b))
+    assert a[:p] == b[:p] and a[len(a) - q :] == b[len(b) - q :]
+    assert a[:p] + b[p : len(b) - q] + a[len(a) - q :] == b
+
+
+def test_migrate_rewrites_schema_1_shards_smaller_and_reads_the_same(tmp_path: Path) -> None:
+    rows = interleaved(session("a", 8, 1), session("b", 8, 2))
+    old = pa.schema([f for f in CALLS_SCHEMA if f.name not in BASE_COLUMNS])
+    folder = tmp_path / "calls" / "date=2023-11-14"
+    folder.mkdir(parents=True)
+    for n, part in enumerate((rows[:6], rows[6:], rows[6:8])):  # the last: a crash's duplicates
+        table = pa.Table.from_pylist(part, schema=old)
+        pq.write_table(
+            table.replace_schema_metadata({"schema_version": "1"}),
+            folder / f"part-20231114T00000{n}Z-old-0000000{n}.parquet",
+            compression="zstd",
+        )
+    before = read_table(tmp_path, "calls").to_pylist()
+    proc = subprocess.run(
+        [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "migrated 3 calls shards (18 rows) to schema 2" in proc.stdout
+    assert read_table(tmp_path, "calls").to_pylist() == before
+    assert stored_sizes(tmp_path)[0] < sum(len(r["prompt_token_ids"]) for r in rows) / 3
+    again = subprocess.run(
+        [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "nothing to migrate (3 calls shards already schema 2)" in again.stdout
+    with Store(tmp_path):  # a running proxy holds the lock: migrate refuses
+        busy = subprocess.run(
+            [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert busy.returncode == 1 and "in use by another polar-mitm store" in busy.stderr
