@@ -32,12 +32,23 @@ from .upstream import TokenTally, Upstream
 
 log = logging.getLogger(__name__)
 _ERROR_BODY_LIMIT = 64 << 10
-# vLLM's and SGLang's refusals of an output cap that does not fit beside the prompt (not of a
-# prompt that is itself too long, which no retry can help).
+# The refusals of an output cap that a resend without it answers (docs/upstreams.md, "Output cap"):
+# vLLM 0.33 refuses a cap above the whole context (it clamps one that only does not fit beside the
+# prompt); older vLLM and SGLang refuse prompt + cap > context.
+_CAP_ABOVE_CONTEXT = re.compile(
+    r"(max_tokens|max_completion_tokens)=\d+ cannot be greater than max_model_len"
+)
 _CAP_TOO_LARGE = re.compile(
     r"(?is)(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
     r".*maximum context length|maximum context length.*"
     r"(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
+)
+# A prompt that is too long by itself, which no resend can help: vLLM 0.33 ("... exceeds this limit
+# even without any output tokens"), older vLLM ("your request has N input tokens. Please reduce
+# ..."), SGLang ("The input (N tokens) is longer than the model's context length").
+_PROMPT_TOO_LONG = re.compile(
+    r"(?is)without any output tokens|your (?:prompt|request) (?:contains|has) (?:at least )?\d+ "
+    r"input tokens\. Please reduce|The input \(\d+ tokens\) is longer than"
 )
 # How long a completed reply's last bytes wait for the record to be durable (see `_durable`):
 # far above a journal fsync (~1 ms), low enough that a failing disk only slows harnesses down.
@@ -400,10 +411,11 @@ class Call:
 
     def _drop_output_cap(self, status: int, failure: UpstreamFailed, body: dict[str, Any]) -> bool:
         """The harness's output cap is an upper bound (Claude Code asks up to 128000), but vLLM
-        and SGLang refuse a request whose prompt plus cap exceeds the context instead of
-        clamping it. Without the cap they generate to the end of the context, which is less
-        than the cap, so sending it again without one is the clamp the harness meant."""
-        if status != 400 or not _CAP_TOO_LARGE.search(failure.message):
+        0.33 refuses one above the whole context, and older vLLM and SGLang one that does not fit
+        beside the prompt. Without the cap they generate to the end of the context, which is less
+        than the cap, so sending it again without one is the clamp the harness meant. A prompt
+        too long by itself is not resent: the harness gets the refusal at once."""
+        if status != 400 or not cap_refused(failure.message):
             return False
         if self.text_reply is not None:  # token-in caps are clamped already; none means 16
             return False
@@ -413,7 +425,8 @@ class Call:
         for key in caps:
             cap = body.pop(key)
         self.record.translation_notes.append(
-            f"{caps[0]}={cap} dropped: the prompt plus it exceeds the model's context"
+            f"{caps[0]}={cap} dropped: the server refused it as it exceeds the model's context "
+            "(alone or beside the prompt)"
         )
         return True
 
@@ -569,6 +582,13 @@ class Call:
             self.task.cancel()
         else:
             self.finish(status, reason)
+
+
+def cap_refused(message: str) -> bool:
+    """Whether an upstream 400's text refuses the output cap (and not the prompt's length)."""
+    if _PROMPT_TOO_LONG.search(message):
+        return False
+    return bool(_CAP_ABOVE_CONTEXT.search(message) or _CAP_TOO_LARGE.search(message))
 
 
 def _json_value(data: str, what: str) -> Any:

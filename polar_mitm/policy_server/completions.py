@@ -82,7 +82,7 @@ class TokenInSample:
         vocab = len(renderer.tokenizer)
         if any(not isinstance(i, int) or i < 0 or i >= vocab for i in prompt):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        limit = token_limit(len(prompt), max_tokens, server.max_model_len)
+        limit = token_limit(len(prompt), max_tokens, server.max_model_len, server.limits)
         text = renderer.decode(prompt)
         system, first_user, names, turns = read_chatml(text)
         try:

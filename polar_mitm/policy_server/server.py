@@ -45,6 +45,7 @@ from .faults import STANDALONE, apply_fault, fault_spec
 from .generation import sample
 from .render import Renderer
 from .scenario import Scenario
+from .versions import VLLM_LIMITS
 from .wire import WIRE_KINDS, ChatCall, ReplyPlan, Wire, WireError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ServerConfig:
     kind: str = "vllm"
     max_model_len: int | None = None  # default: the tokenizer's model_max_length
     ignore_token_flags: bool = False  # act like a server without token ids (old vLLM/SGLang, plain)
+    vllm_limits: str = VLLM_LIMITS[0]  # how the vllm kind applies the context (versions.py)
 
 
 class Control:
@@ -202,6 +204,10 @@ class PolicyServer:
         self.served_model = config.model or config.scenario.model
         self.renderer = renderer or Renderer(config.tokenizer_dir)
         self.max_model_len = config.max_model_len or self.renderer.max_model_len
+        if config.vllm_limits not in VLLM_LIMITS:
+            raise ValueError(f"vllm_limits must be one of {VLLM_LIMITS}")
+        #: Whose context-length rules apply (generation.token_limit).
+        self.limits = "sglang" if config.kind == "sglang" else config.vllm_limits
         factory = WIRE_KINDS.get(config.kind)
         if factory is None:
             raise ValueError(
@@ -320,7 +326,7 @@ class PolicyServer:
     def plan(self, call: ChatCall, armed: Any = None) -> ReplyPlan:
         """Generate and build the reply (blocking: run it in a thread). An ``armed`` fault (see
         ``POST /_polar/faults``) replaces the turn's."""
-        result = sample(self.renderer, self.scenario, call, self.max_model_len)
+        result = sample(self.renderer, self.scenario, call, self.max_model_len, self.limits)
         plan = self.wire.chat_reply(call, result, self.served_model)
         plan.hold = result.turn.hold_last
         plan.delay_s = result.turn.delay_s

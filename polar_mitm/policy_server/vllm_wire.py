@@ -173,6 +173,11 @@ class VllmWire:
             top_logprobs=top_logprobs,
             return_token_ids=bool(body.get("return_token_ids") or False),
             max_tokens=max_tokens,
+            max_tokens_param=(
+                "max_completion_tokens"
+                if body.get("max_completion_tokens") is not None
+                else "max_tokens"
+            ),
             tool_choice=tool_choice,
             parse_tools=bool(render.tools) and tool_choice != "none",
             thinking_enabled=kwargs.get("enable_thinking", True) is not False,
