@@ -17,8 +17,8 @@ from pathlib import Path
 import click
 
 from .scenario import ScenarioError, demo_scenario_path, load_scenario
-from .vllm_wire import REASONING_FIELDS
 from .versions import VLLM_LIMITS, VLLM_VERSION
+from .vllm_wire import REASONING_FIELDS
 from .wire import WIRE_KINDS
 
 
