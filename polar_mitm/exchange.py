@@ -144,6 +144,7 @@ class Call:
         self.lookup: Lookup | None = None
         self.text_reply: TokenInReply | None = None
         self.task: asyncio.Task | None = None
+        self.hide_reasoning = False  # the harness sent include_reasoning: false
         self._finished = False
         self._abort = ("client_aborted", "the harness closed the connection")
         self._receipts: list[Any] = []  # from the sinks: done once the record is durable
@@ -164,6 +165,10 @@ class Call:
                 self.finish(*self._abort)
                 raise
         plan = self.lookup.plan if self.lookup is not None else None
+        if plan is not None and self.lookup is not None:
+            unsupported = upstream.token_in_unsupported(plan.sampling)
+            if unsupported:  # e.g. a sampling parameter SGLang's /generate has no name for
+                self.lookup.plan, self.lookup.reason, plan = None, unsupported, None
         if plan is not None:
             assert exact is not None
             stream_upstream = self.req.stream and upstream.token_in_streams
@@ -191,6 +196,9 @@ class Call:
                 top_logprobs=self.req.top_logprobs,
             )
             url = upstream.chat_url
+            # vLLM drops token_ids and logprobs from a reply with include_reasoning false (with a
+            # reasoning parser loaded): never forward it; the harness's reply loses the reasoning.
+            self.hide_reasoning = body.pop("include_reasoning", True) is False
         self.record.model_served = model if plan is not None else body.get("model")
         self.upstream_body = body
         try:
@@ -276,6 +284,8 @@ class Call:
                         translator.prompt_tokens = len(self.tally.prompt_ids)
                     for chunk in chunks:
                         self.assembler.feed(chunk)
+                        if self.hide_reasoning:
+                            chunk = _without_reasoning(chunk)
                         piece = translator.chunk(chunk)
                         if piece:
                             pieces.append(piece)
@@ -288,6 +298,7 @@ class Call:
         if self.tally.finish_reason is None:
             how = "without a finish_reason" if done else "before it was complete"
             raise UpstreamFailed(f"upstream {upstream.base_url} ended the stream {how}")
+        self._check_abort()
         try:
             tail = translator.finish()
         except _MALFORMED as e:  # what the dialect builds at the end from what the chunks said
@@ -319,6 +330,7 @@ class Call:
                 self.settings.upstream.take_reply(reply, self.tally)
             if self.tally.finish_reason is None:
                 raise UpstreamFailed("upstream reply has no finish_reason")
+            self._check_abort()
             if self.req.stream:  # the server cannot stream with token flags: synthesize it
                 translator = self.translator = self.dialect.stream(self.req)
                 if self.tally.prompt_ids is not None:
@@ -326,10 +338,14 @@ class Call:
                 pieces = []
                 for chunk in reply_to_chunks(reply):
                     self.assembler.feed(chunk)
+                    if self.hide_reasoning:
+                        chunk = _without_reasoning(chunk)
                     pieces.append(translator.chunk(chunk))
                 body, tail = b"".join(pieces), translator.finish()
             else:
                 self.assembler.feed(reply)
+                if self.hide_reasoning:
+                    reply = _without_reasoning(reply)
                 body = json.dumps(self.dialect.reply(self.req, reply), ensure_ascii=False).encode()
         except _MALFORMED as e:
             raise _malformed(e, "a reply") from None
@@ -344,6 +360,15 @@ class Call:
             await out.send(200, body)
             self.finish("completed")
             await self._durable()
+
+    def _check_abort(self) -> None:
+        """SGLang ends an aborted generation with finish reason ``abort`` and HTTP 200: not a
+        reply, an error for the harness (and the record), never a ``stop``."""
+        if self.tally.finish_reason == "abort":
+            why = self.tally.abort_message or "no reason given"
+            raise UpstreamFailed(
+                f"upstream {self.settings.upstream.base_url} aborted the generation: {why}"
+            )
 
     async def _complete(self, out: Output, final: bytes) -> None:
         """End a completed stream: the record first, then (once it is durable) the last bytes.
@@ -589,6 +614,33 @@ def cap_refused(message: str) -> bool:
     if _PROMPT_TOO_LONG.search(message):
         return False
     return bool(_CAP_ABOVE_CONTEXT.search(message) or _CAP_TOO_LARGE.search(message))
+
+
+def _without_reasoning(obj: dict[str, Any]) -> dict[str, Any]:
+    """A chunk or reply without its reasoning, for a harness that sent include_reasoning: false
+    (what vLLM would have done; the record keeps the reasoning, its tokens were sampled)."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not any(
+        isinstance(c, dict)
+        and any(
+            isinstance(c.get(k), dict) and ("reasoning" in c[k] or "reasoning_content" in c[k])
+            for k in ("delta", "message")
+        )
+        for c in choices
+    ):
+        return obj
+    out = []
+    for choice in choices:
+        if isinstance(choice, dict):
+            choice = dict(choice)
+            for key in ("delta", "message"):
+                if isinstance(choice.get(key), dict):
+                    part = dict(choice[key])
+                    part.pop("reasoning", None)
+                    part.pop("reasoning_content", None)
+                    choice[key] = part
+        out.append(choice)
+    return {**obj, "choices": out}
 
 
 def _json_value(data: str, what: str) -> Any:

@@ -115,6 +115,12 @@ async def _serve(config, host: str, port: int, real=None) -> None:
     "clamped; '0.10': older vLLM, which refused prompt + max_tokens > max_model_len.",
 )
 @click.option(
+    "--no-sglext",
+    is_flag=True,
+    help="sglang kind: ignore return_input_ids_in_sglext / return_output_ids_in_sglext, like an "
+    "SGLang before them (it cannot stream with ids; the proxy then calls it non-streaming).",
+)
+@click.option(
     "--ignore-token-flags",
     is_flag=True,
     help="Ignore the token-id request flags (return_token_ids, return_prompt_token_ids, "
@@ -172,6 +178,7 @@ def policy_server(
     kind: str,
     max_model_len: int | None,
     vllm_limits: str,
+    no_sglext: bool,
     ignore_token_flags: bool,
     real: bool,
     gguf_path: Path | None,
@@ -222,6 +229,7 @@ def policy_server(
         max_model_len=max_model_len,
         ignore_token_flags=ignore_token_flags,
         vllm_limits=vllm_limits,
+        sglext=not no_sglext,
     )
     try:
         asyncio.run(_serve(config, host, port, real_model))

@@ -60,7 +60,12 @@ TOKEN_FLAGS = (
     "return_meta_info",
     "return_input_ids",
     "return_output_ids",
+    "return_input_ids_in_sglext",
+    "return_output_ids_in_sglext",
 )
+#: SGLang 0.5.23's stream-compatible id flags; --no-sglext drops them, as an SGLang before them
+#: would, so the proxy's probe finds no sglext ids and keeps calling non-streaming.
+SGLEXT_FLAGS = ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class ServerConfig:
     max_model_len: int | None = None  # default: the tokenizer's model_max_length
     ignore_token_flags: bool = False  # act like a server without token ids (old vLLM/SGLang, plain)
     vllm_limits: str = VLLM_LIMITS[0]  # how the vllm kind applies the context (versions.py)
+    sglext: bool = True  # sglang kind: honour return_{input,output}_ids_in_sglext (0.5.23)
 
 
 class Control:
@@ -411,6 +417,8 @@ class PolicyServer:
         body = await self._body(request)
         if self.config.ignore_token_flags and isinstance(body, dict):
             body = {k: v for k, v in body.items() if k not in TOKEN_FLAGS}
+        elif not self.config.sglext and isinstance(body, dict):
+            body = {k: v for k, v in body.items() if k not in SGLEXT_FLAGS}
         self.control.stats["chat_requests"] += 1
         armed = self.control.take_armed(body)
         spec = fault_spec(armed)
