@@ -277,6 +277,8 @@ class Call:
                         raise UpstreamFailed(f"upstream error mid-stream: {message}")
                     if self.text_reply is None:
                         upstream.take_chunk(chunk, self.tally)
+                        if self.tally.finish_reason == "abort":  # before the harness sees it
+                            self._check_abort()
                         chunks: Sequence[dict[str, Any]] = (chunk,)
                     else:  # token-in: raw text, parsed into what the chat endpoint sends
                         chunks = self.text_reply.chunks(chunk)

@@ -16,6 +16,7 @@ from polar_mitm.upstream.sglang import SGLang
 
 from .clients import RUN_SHELL
 from .test_capture_e2e import SCENARIO
+from .upstreams import aborting_scenario
 
 OTHER_TOOL = {
     "type": "function",
@@ -360,7 +361,7 @@ def test_sglang_tools_and_template_kwargs():
 # -- the reference server's SGLang mode ---------------------------------------------------------
 
 
-def _serve(kind: str = "sglang", **config):
+def _serve(kind: str = "sglang", raw: bool = False, **config):
     async def run(requests):
         server = PolicyServer(ServerConfig(scenario=load_scenario(SCENARIO), kind=kind, **config))
         url = await server.start()
@@ -369,7 +370,8 @@ def _serve(kind: str = "sglang", **config):
             async with aiohttp.ClientSession() as s:
                 for method, path, body in requests:
                     async with s.request(method, url + path, json=body) as r:
-                        out.append((r.status, await r.json(content_type=None)))
+                        text = await r.text()
+                        out.append((r.status, text if raw else json.loads(text)))
         finally:
             await server.stop()
         return out
@@ -443,21 +445,7 @@ def test_reference_servers_ignoring_token_flags():
 
 def _serve_raw(kind: str = "sglang", **config):
     """Like `_serve`, but the raw body text (an SSE stream is not one JSON value)."""
-
-    async def run(requests):
-        server = PolicyServer(ServerConfig(scenario=load_scenario(SCENARIO), kind=kind, **config))
-        url = await server.start()
-        out = []
-        try:
-            async with aiohttp.ClientSession() as s:
-                for method, path, body in requests:
-                    async with s.request(method, url + path, json=body) as r:
-                        out.append((r.status, await r.text()))
-        finally:
-            await server.stop()
-        return out
-
-    return lambda *requests: asyncio.run(run(list(requests)))
+    return _serve(kind, raw=True, **config)
 
 
 def _sse(text: str) -> list:
@@ -533,12 +521,7 @@ def test_reference_generate_is_strict_and_can_abort(tmp_path):
     assert "prompt_token_ids" not in bare
     assert all(isinstance(t[2], str) and t[2] for t in full["meta_info"]["output_token_logprobs"])
     assert full["prompt_token_ids"] == list(prompt)
-    scenario = json.loads(SCENARIO.read_text())
-    for script in scenario["scripts"]:
-        for turn in script["turns"]:
-            turn["finish_reason"] = "abort"
-    aborting = tmp_path / "abort.json"
-    aborting.write_text(json.dumps(scenario))
+    aborting = aborting_scenario(SCENARIO, tmp_path)
     server_cfg = ServerConfig(scenario=load_scenario(aborting), kind="sglang")
 
     async def run():

@@ -326,7 +326,6 @@ class SglangWire:
             think_start_id=sample.think_ids[0],
             think_end_id=sample.think_ids[1],
             parse_tools=call.parse_tools,
-            reasoning=call.thinking_enabled,
             reasoning_open=sample.reasoning_open,
         )
         entries = self._logprob_entries(call, sample) if call.logprobs else None
