@@ -34,9 +34,10 @@ def upstream_chats(server_url: str) -> list[dict]:
     return [e["body"] for e in log if e["path"] == "/v1/chat/completions"]
 
 
-def claude_turn(mitm, key: str) -> httpx.Response:
+def claude_turn(mitm, key: str, max_tokens: int = 128000) -> httpx.Response:
     """Claude Code 2.1.328's recorded first request (max_tokens 128000, ~11k prompt tokens)."""
     recorded = json.loads((GOLDEN / "claude_turn1.json").read_text())
+    recorded["body"]["max_tokens"] = max_tokens
     skip = ("content-length", "content-type", "x-api-key", "accept-encoding")
     headers = {k: v for k, v in recorded["headers"].items() if k.lower() not in skip}
     headers["x-api-key"] = key
@@ -75,22 +76,30 @@ def test_output_cap_one_request_when_it_fits_two_when_refused(
     assert len(notes) == requests - 1, row["translation_notes"]
 
 
-@pytest.mark.parametrize("kind", ["vllm", "sglang"])
-def test_prompt_too_long_is_answered_at_once(make_policy_server, make_mitm, kind):
+@pytest.mark.parametrize(
+    ("kind", "max_tokens", "requests"),
+    [("vllm", 2048, 1), ("sglang", 2048, 1), ("vllm", 128000, 2)],
+    ids=["vllm", "sglang", "vllm-cap-first"],
+)
+def test_prompt_too_long_is_answered_at_once(
+    make_policy_server, make_mitm, kind, max_tokens, requests
+):
     """A prompt longer than the whole context: the harness gets the server's refusal in its
-    dialect (Anthropic's error object) after one upstream request; no resend, no false note."""
+    dialect (Anthropic's error object) at once; it is never resent. vLLM 0.33 checks the cap
+    first, so a cap above the context is refused (and dropped) before the prompt is."""
     server = make_policy_server(DIALECTS, "--max-model-len", "4096", kind=kind)
     mitm = make_mitm(server.url, polar_upstream_kind=kind)
-    r = claude_turn(mitm, "polar-long.0")
+    r = claude_turn(mitm, "polar-long.0", max_tokens)
     assert r.status_code == 400, r.text
     error = r.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     want = "without any output tokens" if kind == "vllm" else "is longer than the model's context"
     assert want in error["error"]["message"]
-    assert len(upstream_chats(server.url)) == 1
+    assert len(upstream_chats(server.url)) == requests
     [row] = calls_of(mitm)
     assert row["status"] == "error" and row["http_status"] == 400
-    assert not [n for n in row["translation_notes"] or [] if "dropped" in n]
+    notes = [n for n in row["translation_notes"] or [] if "dropped" in n]
+    assert len(notes) == requests - 1, notes
 
 
 def test_include_reasoning_false_is_not_forwarded(make_policy_server, make_mitm):
@@ -164,7 +173,8 @@ def test_sglang_streams_with_ids_once_probed(make_policy_server, make_mitm, sgle
     mitm = make_mitm(server.url, polar_upstream_kind="sglang")
     _timed_stream(mitm, "polar-sgl.0")
     first, total, chunks = _timed_stream(mitm, "polar-sgl.1")
-    assert chunks[-1]["choices"] == [] or chunks[-1]["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"][0]["finish_reason"]  # the harness asked no usage
+    assert not [c for c in chunks if "sglext" in c or not c["choices"]]  # ids stay upstream
     bodies = upstream_chats(server.url)
     assert [b["stream"] for b in bodies] == [False, sglext]
     assert total > 0.3  # ~20 tokens at 40/s
