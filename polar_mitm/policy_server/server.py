@@ -339,7 +339,8 @@ class PolicyServer:
         return apply_fault(armed if armed is not None else result.turn.fault, plan)
 
     async def play(self, request: web.Request, plan: ReplyPlan) -> web.StreamResponse:
-        """Send a plan: delay, pacing (``--token-rate``), the optional hold before the final event."""
+        """Send a plan: delay, pacing (``--token-rate``: a stream's chunks as their tokens are
+        generated, a whole reply once all of them are), the optional hold before the final event."""
         held = self.control.hold() if plan.hold else None
         stats = self.control.stats
         try:
@@ -353,6 +354,9 @@ class PolicyServer:
                 _reset_connection(request)
                 return web.Response()
             if not plan.stream:
+                if self.config.token_rate > 0 and sum(plan.tokens):
+                    # a server answers a whole reply once it is generated, at the same pace
+                    await asyncio.sleep(sum(plan.tokens) / self.config.token_rate)
                 if held is not None:
                     await self.control.wait(held)
                 body = b"".join(plan.events)

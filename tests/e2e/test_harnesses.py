@@ -342,7 +342,7 @@ def test_claude_code_prompt_too_long(
     assert all(e["status"] == 400 for e in llm), [e["status"] for e in llm]
     for row in seen.calls:
         assert row["status"] == "error" and "without any output tokens" in row["error"]
-        assert len([n for n in row["translation_notes"] or [] if "dropped" in n]) == 1
+        assert len([n for n in row["translation_notes"] or [] if "max_tokens=128000" in n]) == 1
 
 
 def test_the_namespace_has_no_way_out_but_the_proxy(netns, make_policy_server):
