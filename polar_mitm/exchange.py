@@ -164,6 +164,7 @@ class Call:
             except asyncio.CancelledError:  # the harness left (or shutdown) during the lookup
                 self.finish(*self._abort)
                 raise
+        self.hide_reasoning = self.req.chat.get("include_reasoning") is False
         plan = self.lookup.plan if self.lookup is not None else None
         if plan is not None and self.lookup is not None:
             unsupported = upstream.token_in_unsupported(plan.sampling)
@@ -197,8 +198,9 @@ class Call:
             )
             url = upstream.chat_url
             # vLLM drops token_ids and logprobs from a reply with include_reasoning false (with a
-            # reasoning parser loaded): never forward it; the harness's reply loses the reasoning.
-            self.hide_reasoning = body.pop("include_reasoning", True) is False
+            # reasoning parser loaded): never forward it (the harness's reply loses the reasoning
+            # here instead, see hide_reasoning).
+            body.pop("include_reasoning", None)
         self.record.model_served = model if plan is not None else body.get("model")
         self.upstream_body = body
         try:
