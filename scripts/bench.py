@@ -225,7 +225,8 @@ def spawn_server(
         str(token_rate),
         *extra,
     ]
-    return Child(args, tmp / f"{name}.log", r"listening on http://", wait=False)
+    # 180 s: four servers load the tokenizer at once, on a shared 2-core machine
+    return Child(args, tmp / f"{name}.log", r"listening on http://", 180, wait=False)
 
 
 def server_url(child: Child) -> str:
