@@ -33,12 +33,23 @@ from .upstream import TokenTally, Upstream
 
 log = logging.getLogger(__name__)
 _ERROR_BODY_LIMIT = 64 << 10
-# vLLM's and SGLang's refusals of an output cap that does not fit beside the prompt (not of a
-# prompt that is itself too long, which no retry can help).
+# The refusals of an output cap that a resend without it answers (docs/upstreams.md, "Output cap"):
+# vLLM 0.33 refuses a cap above the whole context (it clamps one that only does not fit beside the
+# prompt); older vLLM and SGLang refuse prompt + cap > context.
+_CAP_ABOVE_CONTEXT = re.compile(
+    r"(max_tokens|max_completion_tokens)=\d+ cannot be greater than max_model_len"
+)
 _CAP_TOO_LARGE = re.compile(
     r"(?is)(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
     r".*maximum context length|maximum context length.*"
     r"(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
+)
+# A prompt that is too long by itself, which no resend can help: vLLM 0.33 ("... exceeds this limit
+# even without any output tokens"), older vLLM ("your request has N input tokens. Please reduce
+# ..."), SGLang ("The input (N tokens) is longer than the model's context length").
+_PROMPT_TOO_LONG = re.compile(
+    r"(?is)without any output tokens|your (?:prompt|request) (?:contains|has) (?:at least )?\d+ "
+    r"input tokens\. Please reduce|The input \(\d+ tokens\) is longer than"
 )
 # How long a completed reply's last bytes wait for the record to be durable (see `_durable`):
 # far above a journal fsync (~1 ms), low enough that a failing disk only slows harnesses down.
@@ -134,6 +145,7 @@ class Call:
         self.lookup: Lookup | None = None
         self.text_reply: TokenInReply | None = None
         self.task: asyncio.Task | None = None
+        self.hide_reasoning = False  # the harness sent include_reasoning: false
         self._finished = False
         self._abort = ("client_aborted", "the harness closed the connection")
         self._receipts: list[Any] = []  # from the sinks: done once the record is durable
@@ -157,7 +169,12 @@ class Call:
             except asyncio.CancelledError:  # the harness left (or shutdown) during the lookup
                 self.finish(*self._abort)
                 raise
+        self.hide_reasoning = self.req.chat.get("include_reasoning") is False
         plan = self.lookup.plan if self.lookup is not None else None
+        if plan is not None and self.lookup is not None:
+            unsupported = upstream.token_in_unsupported(plan.sampling)
+            if unsupported:  # e.g. a sampling parameter SGLang's /generate has no name for
+                self.lookup.plan, self.lookup.reason, plan = None, unsupported, None
         if plan is not None:
             assert exact is not None
             stream_upstream = self.req.stream and upstream.token_in_streams
@@ -185,6 +202,10 @@ class Call:
                 top_logprobs=self.req.top_logprobs,
             )
             url = upstream.chat_url
+            # vLLM drops token_ids and logprobs from a reply with include_reasoning false (with a
+            # reasoning parser loaded): never forward it (the harness's reply loses the reasoning
+            # here instead, see hide_reasoning).
+            body.pop("include_reasoning", None)
         self.record.model_served = model if plan is not None else body.get("model")
         self.upstream_body = body
         try:
@@ -267,6 +288,8 @@ class Call:
                         raise UpstreamFailed(f"upstream error mid-stream: {message}")
                     if self.text_reply is None:
                         upstream.take_chunk(chunk, self.tally)
+                        if self.tally.finish_reason == "abort":  # before the harness sees it
+                            self._check_abort()
                         chunks: Sequence[dict[str, Any]] = (chunk,)
                     else:  # token-in: raw text, parsed into what the chat endpoint sends
                         chunks = self.text_reply.chunks(chunk)
@@ -274,6 +297,8 @@ class Call:
                         translator.prompt_tokens = len(self.tally.prompt_ids)
                     for chunk in chunks:
                         self.assembler.feed(chunk)
+                        if self.hide_reasoning:
+                            chunk = _without_reasoning(chunk)
                         piece = translator.chunk(chunk)
                         if piece:
                             pieces.append(piece)
@@ -286,6 +311,7 @@ class Call:
         if self.tally.finish_reason is None:
             how = "without a finish_reason" if done else "before it was complete"
             raise UpstreamFailed(f"upstream {upstream.base_url} ended the stream {how}")
+        self._check_abort()
         try:
             tail = translator.finish()
         except _MALFORMED as e:  # what the dialect builds at the end from what the chunks said
@@ -318,6 +344,7 @@ class Call:
                 self.settings.upstream.take_reply(reply, self.tally)
             if self.tally.finish_reason is None:
                 raise UpstreamFailed("upstream reply has no finish_reason")
+            self._check_abort()
             if self.req.stream:  # the server cannot stream with token flags: synthesize it
                 translator = self.translator = self.dialect.stream(self.req)
                 if self.tally.prompt_ids is not None:
@@ -325,10 +352,14 @@ class Call:
                 pieces = []
                 for chunk in reply_to_chunks(reply):
                     self.assembler.feed(chunk)
+                    if self.hide_reasoning:
+                        chunk = _without_reasoning(chunk)
                     pieces.append(translator.chunk(chunk))
                 body, tail = b"".join(pieces), translator.finish()
             else:
                 self.assembler.feed(reply)
+                if self.hide_reasoning:
+                    reply = _without_reasoning(reply)
                 body = json.dumps(self.dialect.reply(self.req, reply), ensure_ascii=False).encode()
         except _MALFORMED as e:
             raise _malformed(e, "a reply") from None
@@ -343,6 +374,15 @@ class Call:
             await out.send(200, body)
             self.finish("completed")
             await self._durable()
+
+    def _check_abort(self) -> None:
+        """SGLang ends an aborted generation with finish reason ``abort`` and HTTP 200: not a
+        reply, an error for the harness (and the record), never a ``stop``."""
+        if self.tally.finish_reason == "abort":
+            why = self.tally.abort_message or "no reason given"
+            raise UpstreamFailed(
+                f"upstream {self.settings.upstream.base_url} aborted the generation: {why}"
+            )
 
     async def _complete(self, out: Output, final: bytes) -> None:
         """End a completed stream: the record first, then (once it is durable) the last bytes.
@@ -410,10 +450,11 @@ class Call:
 
     def _drop_output_cap(self, status: int, failure: UpstreamFailed, body: dict[str, Any]) -> bool:
         """The harness's output cap is an upper bound (Claude Code asks up to 128000), but vLLM
-        and SGLang refuse a request whose prompt plus cap exceeds the context instead of
-        clamping it. Without the cap they generate to the end of the context, which is less
-        than the cap, so sending it again without one is the clamp the harness meant."""
-        if status != 400 or not _CAP_TOO_LARGE.search(failure.message):
+        0.33 refuses one above the whole context, and older vLLM and SGLang one that does not fit
+        beside the prompt. Without the cap they generate to the end of the context, which is less
+        than the cap, so sending it again without one is the clamp the harness meant. A prompt
+        too long by itself is not resent: the harness gets the refusal at once."""
+        if status != 400 or not cap_refused(failure.message):
             return False
         if self.text_reply is not None:  # token-in caps are clamped already; none means 16
             return False
@@ -423,7 +464,8 @@ class Call:
         for key in caps:
             cap = body.pop(key)
         self.record.translation_notes.append(
-            f"{caps[0]}={cap} dropped: the prompt plus it exceeds the model's context"
+            f"{caps[0]}={cap} dropped: the server refused it as it exceeds the model's context "
+            "(alone or beside the prompt)"
         )
         return True
 
@@ -582,6 +624,40 @@ class Call:
 
 
 _JSON = {"content-type": "application/json"}
+
+
+def cap_refused(message: str) -> bool:
+    """Whether an upstream 400's text refuses the output cap (and not the prompt's length)."""
+    if _PROMPT_TOO_LONG.search(message):
+        return False
+    return bool(_CAP_ABOVE_CONTEXT.search(message) or _CAP_TOO_LARGE.search(message))
+
+
+def _without_reasoning(obj: dict[str, Any]) -> dict[str, Any]:
+    """A chunk or reply without its reasoning, for a harness that sent include_reasoning: false
+    (what vLLM would have done; the record keeps the reasoning, its tokens were sampled)."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not any(
+        isinstance(c, dict)
+        and any(
+            isinstance(c.get(k), dict) and ("reasoning" in c[k] or "reasoning_content" in c[k])
+            for k in ("delta", "message")
+        )
+        for c in choices
+    ):
+        return obj
+    out = []
+    for choice in choices:
+        if isinstance(choice, dict):
+            choice = dict(choice)
+            for key in ("delta", "message"):
+                if isinstance(choice.get(key), dict):
+                    part = dict(choice[key])
+                    part.pop("reasoning", None)
+                    part.pop("reasoning_content", None)
+                    choice[key] = part
+        out.append(choice)
+    return {**obj, "choices": out}
 
 
 def _json_value(data: str, what: str) -> Any:

@@ -15,6 +15,11 @@ Columns (same client, same upstream, same run):
                     the same proxy, with Codex's (OpenAI Responses) and Claude Code's (Anthropic
                     Messages) streams: translated to chat completions upstream and back; latency
                     only, against polar-mitm's own chat column (nothing else speaks them here)
+  polar-mitm/sglang, polar-mitm/sglang-nostream
+                    polar-mitm in front of the reference server as SGLang 0.5.23 (streamed for
+                    real with sglext ids once probed) and as an SGLang without sglext
+                    (`--no-sglext`: called non-streaming, the harness's stream synthesized from
+                    the whole reply); latency only, against polar-mitm's vLLM chat column
 
 The proxy columns use the harness path: HTTPS to api.openai.com through HTTP CONNECT with the
 generated CA. Figures: time to first byte, time to last byte, latency added over direct (median and
@@ -60,6 +65,11 @@ COLUMNS = ("direct", "mitm-stream", "mitm-buffered", "polar-mitm", "capture-floo
 # The other harness dialects, through the same polar-mitm proxy (latency only: the floors and the
 # server speak chat completions alone, so their yardstick is polar-mitm's own chat column).
 DIALECT_COLUMNS = ("polar-mitm/responses", "polar-mitm/messages")
+# polar-mitm with an SGLang upstream: each its own paced reference server (these server flags).
+SGLANG_COLUMNS: dict[str, tuple[str, ...]] = {
+    "polar-mitm/sglang": ("--kind", "sglang"),
+    "polar-mitm/sglang-nostream": ("--kind", "sglang", "--no-sglext"),
+}
 # The polar-mitm column's own settings: rollouts end 1 s after their last call, as a farm's end
 # when their reward is posted, so the proxy writes their traces during the run and keeps no
 # trajectories of finished rollouts (the other benchmarks' proxies keep their rollouts open).
@@ -200,7 +210,9 @@ def start_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> tup
     return child, server_url(child)
 
 
-def spawn_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> Child:
+def spawn_server(
+    tmp: Path, scenario: Path, token_rate: float, name: str, extra: tuple[str, ...] = ()
+) -> Child:
     """The reference policy server, started without waiting for it (see `server_url`)."""
     args = [
         sys.executable,
@@ -212,8 +224,10 @@ def spawn_server(tmp: Path, scenario: Path, token_rate: float, name: str) -> Chi
         str(scenario),
         "--token-rate",
         str(token_rate),
+        *extra,
     ]
-    return Child(args, tmp / f"{name}.log", r"listening on http://", wait=False)
+    # 180 s: four servers load the tokenizer at once, on a shared 2-core machine
+    return Child(args, tmp / f"{name}.log", r"listening on http://", 180, wait=False)
 
 
 def server_url(child: Child) -> str:
@@ -433,10 +447,15 @@ def targets(
     ssl_ctx: ssl.SSLContext,
     mode: str,
     extra: tuple[str, ...] = (),
+    sglang: dict[str, str] | None = None,
 ) -> dict:
     out = {"direct": Target(upstream + "/v1/chat/completions", None, False)}
     for column in (*COLUMNS[1:], *extra):  # all start at once; then each is waited for
         [(_, out[column])] = targets_for(tmp, column, upstream, confdir, ssl_ctx, mode, False)
+    for column, url in (sglang or {}).items():  # polar-mitm, SGLang upstream
+        options = {**POLAR_OPTIONS, "polar_upstream_kind": "sglang"}
+        child, port = start_proxy(tmp, "polar-mitm", url, confdir, column[11:], options, False)
+        out[column] = Target(URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
     for t in out.values():
         if t.child is not None:
             t.child.wait_ready()
@@ -490,17 +509,22 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     scenario = write_scenario(tmp, args.tokens)
     paced = spawn_server(tmp, scenario, args.token_rate, "server-paced")
     fast = spawn_server(tmp, scenario, 0, "server-fast")
+    sglang_servers = {
+        column: spawn_server(tmp, scenario, args.token_rate, column[11:] + "-server", flags)
+        for column, flags in SGLANG_COLUMNS.items()
+    }
     paced_url, fast_url = server_url(paced), server_url(fast)
+    sglang = {column: server_url(child) for column, child in sglang_servers.items()}
     litellm = litellm_bin(install=args.litellm)
     extra = ("litellm",) if litellm is not None and not args.smoke else ()
     extra += tuple(f"polar-mitm+{name}" for name in VARIANTS)
     if litellm is None:
         progress("no litellm column (scripts/bench.py --litellm installs it)")
-    columns = {c: {} for c in COLUMNS + DIALECT_COLUMNS + extra}
+    columns = {c: {} for c in COLUMNS + DIALECT_COLUMNS + tuple(SGLANG_COLUMNS) + extra}
     results: dict = {"config": vars(args), "columns": columns}
     cols = results["columns"]
     try:
-        ts = targets(tmp, paced_url, confdir, ssl_ctx, "paced", extra)
+        ts = targets(tmp, paced_url, confdir, ssl_ctx, "paced", extra, sglang)
         try:
             for conc, rounds in ((1, args.calls1), (32, args.calls32)):
                 runs = asyncio.run(interleaved(ts, conc, rounds))
@@ -515,6 +539,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
     finally:
         paced.stop()
         fast.stop()
+        for child in sglang_servers.values():
+            child.stop()
     results["inprocess"] = inprocess_figures(args)
     progress("in-process figures (store, merge, fidelity, exact-prefix): done")
     return results
@@ -753,6 +779,21 @@ def report(results: dict) -> list[tuple[str, str, str, str, str]]:
                     "",
                 )
             )
+    sg, old = cols.get("polar-mitm/sglang") or {}, cols.get("polar-mitm/sglang-nostream") or {}
+    for conc in ("c1", "c32"):
+        if conc not in sg or conc not in old:
+            continue
+        rows.append(
+            (
+                f"sglang: TTFB p50 ms ({conc[1:]} conc)",
+                f"{sg[conc]['ttfb_ms_p50']:.1f}",
+                f"vLLM (polar-mitm chat) {p[conc]['ttfb_ms_p50']:.1f} / sglang without sglext "
+                f"{old[conc]['ttfb_ms_p50']:.1f} (TTLB {sg[conc]['ttlb_ms_p50']:.1f} vs "
+                f"{old[conc]['ttlb_ms_p50']:.1f})",
+                ratio(sg[conc]["ttfb_ms_p50"], p[conc]["ttfb_ms_p50"]),
+                "",
+            )
+        )
     rows.append(
         (
             "calls/s (32 conc, fast upstream)",

@@ -40,6 +40,11 @@ def test_bench_smoke(tmp_path):
     for column in ("polar-mitm/responses", "polar-mitm/messages"):  # Codex's and Claude's APIs
         col = results["columns"][column]
         assert col["c1"]["calls"] > 0 and col["c1"]["errors"] == 0, (column, col)
+    for column in ("polar-mitm/sglang", "polar-mitm/sglang-nostream"):  # SGLang upstreams
+        col = results["columns"][column]
+        assert col["c1"]["calls"] > 0 and col["c1"]["errors"] == 0, (column, col)
+        assert col["c1"]["ttfb_ms_p50"] > 0
+    assert "sglang: TTFB p50 ms (1 conc)" in proc.stdout
     nohold = results["columns"]["polar-mitm+nohold"]  # --variant: one more polar-mitm column
     assert nohold["c1"]["calls"] > 0 and nohold["throughput"]["cpu_s_per_1k_calls"] > 0
     assert "polar-mitm+nohold: added latency p50 ms (1 conc)" in proc.stdout

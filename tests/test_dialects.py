@@ -1335,7 +1335,33 @@ def test_custom_input_other_shapes():
 @pytest.mark.parametrize(
     ("message", "cap_refused"),
     [
-        # the reference server (vLLM's wording of the 400)
+        # vLLM 0.33 (vllm/renderers/params.py): a cap above the whole context
+        (
+            "max_tokens=128000 cannot be greater than max_model_len=32768. Please request fewer "
+            "output tokens. (parameter=max_tokens, value=128000)",
+            True,
+        ),
+        (
+            "max_completion_tokens=200000 cannot be greater than max_model_len=131072. Please "
+            "request fewer output tokens. (parameter=max_completion_tokens, value=200000)",
+            True,
+        ),
+        # vLLM 0.33: a prompt too long by itself (it once matched "output tokens ... maximum")
+        (
+            "This model's maximum context length is 32768 tokens. However, your prompt contains "
+            "40000 input tokens, which exceeds this limit even without any output tokens. Please "
+            "reduce the length of the input prompt. (parameter=input_tokens, value=40000)",
+            False,
+        ),
+        (
+            "This model's maximum context length is 32768 tokens. However, your prompt contains "
+            "at least 32769 input tokens, which exceeds this limit even without any output "
+            "tokens. Please reduce the length of the input prompt.",
+            False,
+        ),
+        # SGLang: a prompt too long by itself
+        ("The input (5000 tokens) is longer than the model's context length (4096 tokens).", False),
+        # vLLM 0.10 (the reference server's --vllm-limits 0.10)
         (
             "'max_tokens' or 'max_completion_tokens' is too large: 128000. This model's maximum "
             "context length is 131072 tokens and your request has 11435 input tokens "
@@ -1372,9 +1398,9 @@ def test_custom_input_other_shapes():
     ],
 )
 def test_output_cap_refusal_is_recognized(message, cap_refused):
-    from polar_mitm.exchange import _CAP_TOO_LARGE
+    from polar_mitm.exchange import cap_refused as refused
 
-    assert bool(_CAP_TOO_LARGE.search(message)) is cap_refused
+    assert refused(message) is cap_refused
 
 
 def test_prompt_counter():

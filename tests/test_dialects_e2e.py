@@ -480,11 +480,17 @@ def test_claude_code_request_and_count_tokens(make_policy_server, make_mitm, qwe
     stop = [e for e in events if e["type"] == "message_delta"][0]
     assert stop["delta"]["stop_reason"] == "tool_use"
 
-    # Claude Code asks max_tokens=128000, which does not fit beside the prompt in the model's
-    # context: the server refuses it, and the proxy asks again without the cap (= the clamp)
-    refused, chat = upstream_chats(server.url)
-    assert refused["max_tokens"] == 128000 and "max_tokens" not in chat
-    assert {k: v for k, v in refused.items() if k != "max_tokens"} == chat
+    # Claude Code asks max_tokens=128000, which fits the model's 131072 context but not beside
+    # the prompt: vLLM 0.33 clamps it (one request, the cap kept); SGLang refuses it, and the
+    # proxy asks again without the cap (= the clamp)
+    chats = upstream_chats(server.url)
+    if upstream_kind == "vllm":
+        [chat] = chats
+        assert chat["max_tokens"] == 128000
+    else:
+        refused, chat = chats
+        assert refused["max_tokens"] == 128000 and "max_tokens" not in chat
+        assert {k: v for k, v in refused.items() if k != "max_tokens"} == chat
     assert "x-anthropic-billing-header" not in json.dumps(chat)
     assert [m["role"] for m in chat["messages"]] == ["system", "user", "system"]
     local, row = calls_of(mitm)
@@ -498,9 +504,11 @@ def test_claude_code_request_and_count_tokens(make_policy_server, make_mitm, qwe
     assert row["rollout_id"] == "claude.3" and row["purpose"] == "main"
     assert row["session_id"] == recorded["headers"]["X-Claude-Code-Session-Id"]
     assert row["translation_notes"][0] == "dropped system[0]: x-anthropic-billing-header: block"
-    assert row["translation_notes"][-1] == (
-        "max_tokens=128000 dropped: the prompt plus it exceeds the model's context"
+    dropped = (
+        "max_tokens=128000 dropped: the server refused it as it exceeds the model's context "
+        "(alone or beside the prompt)"
     )
+    assert (row["translation_notes"][-1] == dropped) is (upstream_kind == "sglang")
     assert row["trainable"] is True
     assert grep_bytes(mitm.output, ["polar-claude.3"]) == {}
 

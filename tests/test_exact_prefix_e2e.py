@@ -117,7 +117,11 @@ def converse(client: openai.OpenAI, stream: bool, drift: bool) -> tuple[list[dic
 def seen(reply: dict) -> tuple:
     """What a harness acts on: text, reasoning, tool calls (arguments as values), finish."""
     calls = [(c["name"], json.loads(c["arguments"])) for c in reply["tool_calls"]]
-    return reply["content"], reply["reasoning"], calls, reply["finish"], reply["model"]
+    # Whitespace-only text before a tool call is no text: SGLang streams it as content (its
+    # stream parser passes it on), its whole replies strip it, and the token-in path is a whole
+    # reply while the chat path streams with sglext ids.
+    content = reply["content"] if (reply["content"] or "").strip() else None
+    return content, reply["reasoning"], calls, reply["finish"], reply["model"]
 
 
 def records(output: Path, rollout: str) -> tuple[list[dict], list[dict]]:

@@ -780,3 +780,35 @@ def test_concurrent_streams_do_not_block_each_other(server: Server) -> None:
     counts = asyncio.run(many())
     assert time.monotonic() - started < 15
     assert all(c > 5 for c in counts) and len(set(counts[::4])) == 1
+
+
+@pytest.mark.parametrize(
+    ("limits", "n_prompt", "max_tokens", "want"),
+    [
+        # vLLM 0.33: a cap that only does not fit beside the prompt is clamped, silently
+        ("0.33", 11435, 128000, 131072 - 11435),
+        ("0.33", 100, None, 32768 - 100),
+        ("0.33", 100, 50, 50),
+        ("0.33", 100, 128000, "max_tokens=128000 cannot be greater than max_model_len=32768"),
+        ("0.33", 40000, 10, "which exceeds this limit even without any output tokens"),
+        ("0.33", 40000, 128000, "cannot be greater than max_model_len"),  # the cap is checked first
+        ("0.33", 32768, None, "max_tokens must be at least 1, got 0"),
+        # vLLM 0.10: prompt + cap beyond the context refused
+        ("0.10", 11435, 128000, "'max_tokens' or 'max_completion_tokens' is too large: 128000"),
+        ("0.10", 40000, 10, "your request has 40000 input tokens"),
+        # SGLang 0.5.23
+        ("sglang", 11435, 128000, "Requested token count exceeds the model's maximum context"),
+        ("sglang", 40000, None, "The input (40000 tokens) is longer than the model's context"),
+    ],
+)
+def test_token_limits_of_each_server(limits, n_prompt, max_tokens, want) -> None:
+    from polar_mitm.conversation import RequestError
+    from polar_mitm.policy_server.generation import token_limit
+
+    context = 131072 if n_prompt == 11435 and limits == "0.33" else 32768
+    if isinstance(want, int):
+        assert token_limit(n_prompt, max_tokens, context, limits) == want
+    else:
+        with pytest.raises(RequestError) as e:
+            token_limit(n_prompt, max_tokens, context, limits)
+        assert want in str(e.value)

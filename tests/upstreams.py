@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -118,3 +119,14 @@ def expected_prompt_ids(
     return tokenizer.apply_chat_template(
         conv, tools=rendered_tools, add_generation_prompt=True, tokenize=True
     )["input_ids"]
+
+
+def aborting_scenario(source: Path, tmp: Path) -> Path:
+    """`source` with every turn ending in SGLang's `abort` finish (the reference server's knob)."""
+    scenario = json.loads(source.read_text())
+    for script in scenario["scripts"]:
+        for turn in script["turns"]:
+            turn["finish_reason"] = "abort"
+    path = tmp / "abort.json"
+    path.write_text(json.dumps(scenario))
+    return path

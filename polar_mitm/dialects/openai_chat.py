@@ -90,6 +90,8 @@ class _ChatStream(StreamTranslator):
         self.id: str | None = None
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
+        if not chunk.get("choices") and chunk.get("usage") is None:
+            return b""  # nothing for the harness: SGLang's sglext chunk once its ids are taken
         if not self.usage:
             if not chunk.get("choices") and chunk.get("usage") is not None:
                 return b""  # the usage chunk we asked for; the harness did not

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from .scenario import ScenarioError, demo_scenario_path, load_scenario
+from .versions import VLLM_LIMITS, VLLM_VERSION
 from .vllm_wire import REASONING_FIELDS
 from .wire import WIRE_KINDS
 
@@ -105,6 +106,21 @@ async def _serve(config, host: str, port: int, real=None) -> None:
     help="Context length (default: the tokenizer's).",
 )
 @click.option(
+    "--vllm-limits",
+    type=click.Choice(VLLM_LIMITS),
+    default=VLLM_LIMITS[0],
+    show_default=True,
+    help=f"vllm kind: how the context length limits a request. '0.33' (vLLM {VLLM_VERSION}): a "
+    "max_tokens above max_model_len is refused, one that only does not fit beside the prompt is "
+    "clamped; '0.10': older vLLM, which refused prompt + max_tokens > max_model_len.",
+)
+@click.option(
+    "--no-sglext",
+    is_flag=True,
+    help="sglang kind: ignore return_input_ids_in_sglext / return_output_ids_in_sglext, like an "
+    "SGLang before them (it cannot stream with ids; the proxy then calls it non-streaming).",
+)
+@click.option(
     "--ignore-token-flags",
     is_flag=True,
     help="Ignore the token-id request flags (return_token_ids, return_prompt_token_ids, "
@@ -161,6 +177,8 @@ def policy_server(
     reasoning_field: str,
     kind: str,
     max_model_len: int | None,
+    vllm_limits: str,
+    no_sglext: bool,
     ignore_token_flags: bool,
     real: bool,
     gguf_path: Path | None,
@@ -210,6 +228,8 @@ def policy_server(
         kind=kind,
         max_model_len=max_model_len,
         ignore_token_flags=ignore_token_flags,
+        vllm_limits=vllm_limits,
+        sglext=not no_sglext,
     )
     try:
         asyncio.run(_serve(config, host, port, real_model))

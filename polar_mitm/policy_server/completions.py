@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..conversation import RenderInput, RequestError
+from ..upstream.sglang import SGLANG_SAMPLING_FIELDS
 from .generation import fake_logprob, token_limit
 from .scenario import Turn
 from .wire import ReplyPlan
@@ -82,7 +83,7 @@ class TokenInSample:
         vocab = len(renderer.tokenizer)
         if any(not isinstance(i, int) or i < 0 or i >= vocab for i in prompt):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        limit = token_limit(len(prompt), max_tokens, server.max_model_len)
+        limit = token_limit(len(prompt), max_tokens, server.max_model_len, server.limits)
         text = renderer.decode(prompt)
         system, first_user, names, turns = read_chatml(text)
         try:
@@ -195,10 +196,28 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
     )
 
 
+def unknown_sampling_field(params: dict[str, Any]) -> str | None:
+    """SGLang's contract error for the first unknown ``sampling_params`` key (None: all known)."""
+    for key in params:
+        if key not in SGLANG_SAMPLING_FIELDS:  # serde's unknown_field text
+            listed = ", ".join(f"`{f}`" for f in SGLANG_SAMPLING_FIELDS)
+            return f"unknown field `{key}`, expected one of {listed}"
+    return None
+
+
 def generate_plan(body: dict[str, Any], sample: TokenInSample) -> ReplyPlan:
-    """SGLang's /generate reply (non-streaming) for a sampled turn."""
-    if sample.finish_reason == "stop":
-        finish: dict[str, Any] = {"type": "stop", "matched": sample.eos}
+    """SGLang's /generate reply (non-streaming) for a sampled turn: ``return_text_in_logprobs``
+    fills the triples' text (null without it), ``return_prompt_token_ids`` echoes the prompt, and
+    a turn whose ``finish_reason`` is ``abort`` ends as a graceful abort does (HTTP 200)."""
+    if sample.turn.finish_reason == "abort":  # scheduler.py FINISH_ABORT("Aborted").to_json()
+        finish: dict[str, Any] = {
+            "type": "abort",
+            "message": "Aborted",
+            "status_code": None,
+            "err_type": None,
+        }
+    elif sample.finish_reason == "stop":
+        finish = {"type": "stop", "matched": sample.eos}
     else:
         finish = {"type": "length", "length": len(sample.ids)}
     meta: dict[str, Any] = {
@@ -209,10 +228,16 @@ def generate_plan(body: dict[str, Any], sample: TokenInSample) -> ReplyPlan:
         "cached_tokens": 0,
     }
     if body.get("return_logprob"):
+        texts = (
+            sample.token_strs if body.get("return_text_in_logprobs") else [None] * len(sample.ids)
+        )
         meta["output_token_logprobs"] = [
-            [lp, i, None] for lp, i in zip(sample.logprobs, sample.ids, strict=True)
+            [lp, i, t] for lp, i, t in zip(sample.logprobs, sample.ids, texts, strict=True)
         ]
-    reply = {"text": "".join(sample.pieces), "output_ids": sample.ids, "meta_info": meta}
+    reply: dict[str, Any] = {"text": "".join(sample.pieces), "output_ids": sample.ids}
+    if body.get("return_prompt_token_ids"):
+        reply["prompt_token_ids"] = sample.prompt
+    reply["meta_info"] = meta
     return ReplyPlan(200, "application/json", [_dumps(reply)], [len(sample.ids)], False)
 
 
@@ -243,6 +268,9 @@ def add_routes(app: web.Application, server: PolicyServer) -> None:
         if body.get("stream"):
             raise server._bad_request(RequestError("the reference /generate does not stream"))
         params = body.get("sampling_params") or {}
+        unknown = unknown_sampling_field(params) if isinstance(params, dict) else None
+        if unknown is not None:  # http_server.py generate_request's contract gate
+            return web.json_response({"error": unknown}, status=400)
         server.control.stats["generate_requests"] += 1
         try:
             sample = await asyncio.to_thread(

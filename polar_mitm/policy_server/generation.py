@@ -81,9 +81,29 @@ def pick_turn(scenario: Scenario, call: ChatCall) -> tuple[str, Turn]:
     return script.name, turn
 
 
-def token_limit(n_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
+def token_limit(
+    n_prompt: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    limits: str = "0.33",
+    param: str = "max_tokens",
+) -> int:
     """How many tokens a request may generate; raises :class:`RequestError` for the length limits
-    vLLM refuses (prompt or ``max_tokens`` beyond ``max_model_len``, ``max_tokens < 1``)."""
+    the imitated server refuses. ``limits`` is the server's way (``versions.VLLM_LIMITS`` or
+    ``sglang``), ``param`` the cap's request name (vLLM names ``max_completion_tokens`` when set).
+
+    * vLLM 0.33 (``vllm/renderers/params.py`` ``TokenizeParams.__post_init__`` and
+      ``_token_len_check``, ``serve/utils/api_utils.py`` ``get_max_tokens``): a cap above
+      ``max_model_len`` is refused before the prompt is looked at; a prompt above it is refused; a
+      cap that only does not fit beside the prompt is clamped to what is left, silently.
+    * vLLM 0.10: ``prompt >= max_model_len`` and ``prompt + max_tokens > max_model_len`` refused.
+    * SGLang 0.5.23 (``managers/tokenizer_manager.py`` ``_validate_one_request``): the same two
+      refusals, in SGLang's words.
+    """
+    if limits == "0.33":
+        return _limit_vllm_033(n_prompt, max_tokens, max_model_len, param)
+    if limits == "sglang":
+        return _limit_sglang(n_prompt, max_tokens, max_model_len)
     if n_prompt >= max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
@@ -93,10 +113,7 @@ def token_limit(n_prompt: int, max_tokens: int | None, max_model_len: int) -> in
         )
     limit = max_model_len - n_prompt
     if max_tokens is not None:
-        if max_tokens < 1:
-            raise RequestError(
-                f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
-            )
+        _at_least_one(max_tokens)
         if max_tokens > limit:
             raise RequestError(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
@@ -109,14 +126,83 @@ def token_limit(n_prompt: int, max_tokens: int | None, max_model_len: int) -> in
     return limit
 
 
-def sample(renderer: Renderer, scenario: Scenario, call: ChatCall, max_model_len: int) -> Sample:
+def prompt_too_long_033(n_prompt: int, max_model_len: int, qualifier: str = "") -> RequestError:
+    """vLLM 0.33's refusal of a prompt longer than the whole context (``_token_len_check``)."""
+    return RequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+        f"contains {qualifier}{n_prompt} input tokens, which exceeds this limit even without any "
+        f"output tokens. Please reduce the length of the input prompt. "
+        f"(parameter=input_tokens, value={n_prompt})",
+        param="input_tokens",
+    )
+
+
+def _at_least_one(max_tokens: int) -> None:
+    if max_tokens < 1:  # vllm/sampling_params.py SamplingParams._verify_args
+        raise RequestError(
+            f"max_tokens must be at least 1, got {max_tokens}. "
+            f"(parameter=max_tokens, value={max_tokens})",
+            param="max_tokens",
+        )
+
+
+def _limit_vllm_033(n_prompt: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise RequestError(
+            f"{param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens. (parameter={param}, value={max_tokens})",
+            param=param,
+        )
+    if n_prompt > max_model_len:
+        raise prompt_too_long_033(n_prompt, max_model_len)
+    limit = max_model_len - n_prompt
+    if max_tokens is not None:
+        limit = min(limit, max_tokens)
+    _at_least_one(limit)  # a prompt of exactly max_model_len leaves 0
+    return limit
+
+
+def _limit_sglang(n_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
+    if n_prompt >= max_model_len:
+        raise RequestError(
+            f"The input ({n_prompt} tokens) is longer than the model's context length "
+            f"({max_model_len} tokens)."
+        )
+    limit = max_model_len - n_prompt
+    if max_tokens is not None:
+        if max_tokens + n_prompt > max_model_len:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{max_model_len} tokens. You requested a total of {max_tokens + n_prompt} tokens: "
+                f"{n_prompt} tokens from the input messages and {max_tokens} tokens for the "
+                f"completion. Please reduce the number of tokens in the input messages or the "
+                f"completion to fit within the limit."
+            )
+        limit = max_tokens
+    return limit
+
+
+def sample(
+    renderer: Renderer,
+    scenario: Scenario,
+    call: ChatCall,
+    max_model_len: int,
+    limits: str = "0.33",
+) -> Sample:
     """Render the prompt, pick the scripted turn, tokenize it and apply the length limits.
 
-    Raises :class:`RequestError` for requests vLLM refuses (prompt or ``max_tokens`` beyond
-    ``max_model_len``, ``max_tokens < 1``).
+    Raises :class:`RequestError` for requests the imitated server refuses (see
+    :func:`token_limit`; ``limits`` says whose rules).
     """
+    if limits == "0.33":  # the cap is checked before the prompt is rendered
+        token_limit(0, call.max_tokens, max_model_len, limits, call.max_tokens_param)
     at_least = renderer.min_prompt_tokens(call.render)
-    if at_least >= max_model_len:  # far too long: say so without tokenizing it (20 MB: 30 s)
+    if at_least > max_model_len or (at_least == max_model_len and limits != "0.33"):
+        # far too long: say so without tokenizing it (20 MB: 30 s)
+        if limits == "0.33":
+            raise prompt_too_long_033(at_least, max_model_len, "at least ")
+        if limits == "sglang":
+            token_limit(at_least, None, max_model_len, limits)
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
             f"at least {at_least} input tokens. Please reduce the length of the input messages. "
@@ -125,7 +211,7 @@ def sample(renderer: Renderer, scenario: Scenario, call: ChatCall, max_model_len
         )
     prompt = renderer.prompt(call.render)
     n_prompt = len(prompt.ids)
-    limit = token_limit(n_prompt, call.max_tokens, max_model_len)
+    limit = token_limit(n_prompt, call.max_tokens, max_model_len, limits, call.max_tokens_param)
     script, turn = pick_turn(scenario, call)
     completion = renderer.completion(call.render, turn)
     n = min(len(completion.ids), limit)

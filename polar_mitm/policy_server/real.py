@@ -280,6 +280,8 @@ class RealModelServer(PolicyServer):
                 len(prompt.ids),
                 call.max_tokens if call.max_tokens is not None else self.real.default_max_tokens,
                 self.max_model_len,
+                self.limits,
+                call.max_tokens_param,
             )
         except RequestError as e:
             raise self._bad_request(e) from None

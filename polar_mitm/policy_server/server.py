@@ -45,6 +45,7 @@ from .faults import STANDALONE, apply_fault, fault_spec
 from .generation import sample
 from .render import Renderer
 from .scenario import Scenario
+from .versions import VLLM_LIMITS
 from .wire import WIRE_KINDS, ChatCall, ReplyPlan, Wire, WireError
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,12 @@ TOKEN_FLAGS = (
     "return_meta_info",
     "return_input_ids",
     "return_output_ids",
+    "return_input_ids_in_sglext",
+    "return_output_ids_in_sglext",
 )
+#: SGLang 0.5.23's stream-compatible id flags; --no-sglext drops them, as an SGLang before them
+#: would, so the proxy's probe finds no sglext ids and keeps calling non-streaming.
+SGLEXT_FLAGS = ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,8 @@ class ServerConfig:
     kind: str = "vllm"
     max_model_len: int | None = None  # default: the tokenizer's model_max_length
     ignore_token_flags: bool = False  # act like a server without token ids (old vLLM/SGLang, plain)
+    vllm_limits: str = VLLM_LIMITS[0]  # how the vllm kind applies the context (versions.py)
+    sglext: bool = True  # sglang kind: honour return_{input,output}_ids_in_sglext (0.5.23)
 
 
 class Control:
@@ -202,6 +210,10 @@ class PolicyServer:
         self.served_model = config.model or config.scenario.model
         self.renderer = renderer or Renderer(config.tokenizer_dir)
         self.max_model_len = config.max_model_len or self.renderer.max_model_len
+        if config.vllm_limits not in VLLM_LIMITS:
+            raise ValueError(f"vllm_limits must be one of {VLLM_LIMITS}")
+        #: Whose context-length rules apply (generation.token_limit).
+        self.limits = "sglang" if config.kind == "sglang" else config.vllm_limits
         factory = WIRE_KINDS.get(config.kind)
         if factory is None:
             raise ValueError(
@@ -320,14 +332,15 @@ class PolicyServer:
     def plan(self, call: ChatCall, armed: Any = None) -> ReplyPlan:
         """Generate and build the reply (blocking: run it in a thread). An ``armed`` fault (see
         ``POST /_polar/faults``) replaces the turn's."""
-        result = sample(self.renderer, self.scenario, call, self.max_model_len)
+        result = sample(self.renderer, self.scenario, call, self.max_model_len, self.limits)
         plan = self.wire.chat_reply(call, result, self.served_model)
         plan.hold = result.turn.hold_last
         plan.delay_s = result.turn.delay_s
         return apply_fault(armed if armed is not None else result.turn.fault, plan)
 
     async def play(self, request: web.Request, plan: ReplyPlan) -> web.StreamResponse:
-        """Send a plan: delay, pacing (``--token-rate``), the optional hold before the final event."""
+        """Send a plan: delay, pacing (``--token-rate``: a stream's chunks as their tokens are
+        generated, a whole reply once all of them are), the optional hold before the final event."""
         held = self.control.hold() if plan.hold else None
         stats = self.control.stats
         try:
@@ -341,6 +354,9 @@ class PolicyServer:
                 _reset_connection(request)
                 return web.Response()
             if not plan.stream:
+                if self.config.token_rate > 0 and sum(plan.tokens):
+                    # a server answers a whole reply once it is generated, at the same pace
+                    await asyncio.sleep(sum(plan.tokens) / self.config.token_rate)
                 if held is not None:
                     await self.control.wait(held)
                 body = b"".join(plan.events)
@@ -405,6 +421,8 @@ class PolicyServer:
         body = await self._body(request)
         if self.config.ignore_token_flags and isinstance(body, dict):
             body = {k: v for k, v in body.items() if k not in TOKEN_FLAGS}
+        elif not self.config.sglext and isinstance(body, dict):
+            body = {k: v for k, v in body.items() if k not in SGLEXT_FLAGS}
         self.control.stats["chat_requests"] += 1
         armed = self.control.take_armed(body)
         spec = fault_spec(armed)

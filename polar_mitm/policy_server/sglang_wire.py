@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..conversation import RequestError, sglang_render_input, sglang_tool_choice
+from ..output_parsers.qwen3 import StreamParser
 from .generation import Sample
 from .wire import ChatCall, ReplyPlan, WireError
 
@@ -158,10 +159,7 @@ class SglangWire:
             for flag, message in _NO_STREAM_FLAGS.items():
                 if body.get(flag):
                     raise self._bad_request(message)
-            raise self._bad_request(
-                "the reference policy server's SGLang mode does not stream chat completions "
-                "(real SGLang does, without the token flags); use --kind vllm for streaming"
-            )
+        stream_options = body.get("stream_options")
         if body.get("n") not in (None, 1):
             raise self._bad_request("n > 1 is not supported by the reference policy server.", "n")
         logprobs = bool(body.get("logprobs") or False)
@@ -184,7 +182,12 @@ class SglangWire:
             body=dict(body),
             render=render,
             model=body.get("model"),
-            stream=False,
+            stream=stream,
+            include_usage=bool(
+                stream
+                and isinstance(stream_options, Mapping)
+                and stream_options.get("include_usage")
+            ),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             return_token_ids=bool(body.get("return_token_ids") or False),
@@ -196,16 +199,34 @@ class SglangWire:
 
     # -- replies -----------------------------------------------------------------------------
 
-    def chat_reply(self, call: ChatCall, sample: Sample, served_model: str) -> ReplyPlan:
-        rid = uuid.uuid4().hex
-        force_reasoning = call.thinking_enabled and sample.reasoning_open is not False
-        reasoning, text = split_reasoning(sample.text, force_reasoning)
+    def _finish_info(self, sample: Sample) -> dict[str, Any]:
+        """The engine's ``meta_info.finish_reason`` (``schedule_batch.py`` ``FINISH_*.to_json``)."""
         finish = sample.finish_override or sample.finish_reason
         finish_info: dict[str, Any] = {"type": finish}
         if finish == "stop" and sample.ids:
             finish_info["matched"] = sample.ids[-1]
         elif finish == "length":
             finish_info["length"] = len(sample.ids)
+        elif finish == "abort":  # a graceful abort (no status_code): HTTP 200, reason "abort"
+            finish_info.update(message="Aborted", status_code=None, err_type=None)
+        return finish_info
+
+    def _sglext(self, call: ChatCall, sample: Sample) -> dict[str, Any] | None:
+        """``sglext`` ids, when asked (``return_{input,output}_ids_in_sglext``)."""
+        ext: dict[str, Any] = {}
+        if call.body.get("return_input_ids_in_sglext"):
+            ext["input_ids"] = list(sample.prompt_ids)
+        if call.body.get("return_output_ids_in_sglext"):
+            ext["output_ids"] = [list(sample.ids)]
+        return ext or None
+
+    def chat_reply(self, call: ChatCall, sample: Sample, served_model: str) -> ReplyPlan:
+        if call.stream:
+            return self._stream(call, sample)
+        rid = uuid.uuid4().hex
+        force_reasoning = call.thinking_enabled and sample.reasoning_open is not False
+        reasoning, text = split_reasoning(sample.text, force_reasoning)
+        finish_info = self._finish_info(sample)
         tool_calls = None
         parsed = None
         if call.parse_tools:
@@ -218,11 +239,11 @@ class SglangWire:
             tool_calls = [
                 {
                     "id": f"call_{uuid.uuid4().hex[:24]}",
-                    "index": index,
+                    "index": ordinal,  # the call's ordinal (serving_chat.py _process_tool_calls)
                     "type": "function",
                     "function": {"name": name, "arguments": arguments},
                 }
-                for index, name, arguments in calls
+                for ordinal, (_tool, name, arguments) in enumerate(calls)
             ]
         meta = self._meta_info(call, sample, rid, finish_info, reasoning)
         choice: dict[str, Any] = {
@@ -241,7 +262,7 @@ class SglangWire:
         if body.get("return_prompt_token_ids") or call.return_token_ids:
             choice["prompt_token_ids"] = list(sample.prompt_ids)
         if call.return_token_ids:
-            choice["token_ids"] = list(sample.ids)
+            choice["response_token_ids"] = list(sample.ids)
         if body.get("return_meta_info"):
             choice["meta_info"] = meta
         p, c = len(sample.prompt_ids), len(sample.ids)
@@ -260,6 +281,9 @@ class SglangWire:
             },
             "metadata": {"weight_version": "default"},
         }
+        ext = self._sglext(call, sample)
+        if ext is not None:
+            reply["sglext"] = ext
         return ReplyPlan(
             status=200,
             content_type=JSON_CONTENT_TYPE,
@@ -267,6 +291,103 @@ class SglangWire:
             tokens=[c],
             stream=False,
         )
+
+    def _stream(self, call: ChatCall, sample: Sample) -> ReplyPlan:
+        """SGLang's chat stream (``serving_chat.py`` ``_generate_chat_stream``, ``sse_utils.py``):
+        a role chunk, one chunk per ``chunk_tokens`` tokens (``reasoning_content`` always
+        present, ``null`` or text), tool-call deltas as ``ChatCompletionStreamResponse``, the
+        finish chunk, then with sglext flags one ``choices: []`` chunk with the ids, the usage
+        chunk (``include_usage``) and ``[DONE]``."""
+        rid = uuid.uuid4().hex
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": call.model or "default",
+        }
+        events: list[bytes] = []
+        tokens: list[int] = []
+
+        def emit(choices: list[dict[str, Any]], n: int, **extra: Any) -> None:
+            events.append(b"data: " + _dumps({**head, "choices": choices, **extra}) + b"\n\n")
+            tokens.append(n)
+
+        def choice(delta: dict[str, Any], logprobs: Any = None, **finish: Any) -> dict[str, Any]:
+            return {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish.get("finish_reason"),
+                "matched_stop": finish.get("matched_stop"),
+            }
+
+        emit([choice({"reasoning_content": None, "role": "assistant", "content": ""})], 0)
+        parser = StreamParser(
+            think_start_id=sample.think_ids[0],
+            think_end_id=sample.think_ids[1],
+            parse_tools=call.parse_tools,
+            reasoning_open=sample.reasoning_open,
+        )
+        entries = self._logprob_entries(call, sample) if call.logprobs else None
+        k, n, pending = max(self.chunk_tokens, 1), len(sample.ids), 0
+        for a in range(0, n, k):
+            b = min(a + k, n)
+            pending += b - a
+            delta = parser.feed("".join(sample.pieces[a:b]), sample.ids[a:b])
+            logprobs = {"content": entries[a:b]} if entries is not None else None
+            if not delta:
+                # A parser swallowed the text: its logprobs still go out, in an empty delta
+                # (serving_chat.py _generate_stream_content, "Flush logprobs still unattached").
+                if logprobs is not None:
+                    emit([choice({"reasoning_content": None}, logprobs)], pending)
+                    pending = 0
+                continue
+            if delta.get("tool_calls"):
+                calls = delta["tool_calls"]
+                shaped = {"role": None, "content": None, "reasoning_content": None}
+                emit([choice({**shaped, "tool_calls": calls}, logprobs)], pending, usage=None)
+            else:
+                part: dict[str, Any] = {"reasoning_content": delta.get("reasoning")}
+                if delta.get("content") is not None:
+                    part["content"] = delta["content"]
+                emit([choice(part, logprobs)], pending)
+            pending = 0
+        info = self._finish_info(sample)
+        finish = info["type"]
+        if finish == "stop" and parser.tools_streamed:
+            finish, info["matched"] = "tool_calls", None
+        final = choice(
+            {"reasoning_content": None}, finish_reason=finish, matched_stop=info.get("matched")
+        )
+        final_index = len(events)
+        emit([final], pending)
+        ext = self._sglext(call, sample)
+        if ext is not None:
+            emit([], 0, usage=None, sglext=ext)
+        if call.include_usage:
+            p, c = len(sample.prompt_ids), len(sample.ids)
+            usage = {
+                "prompt_tokens": p,
+                "total_tokens": p + c,
+                "completion_tokens": c,
+                "prompt_tokens_details": None,
+                "reasoning_tokens": self._reasoning_tokens(sample),
+            }
+            emit([], 0, usage=usage)
+        events.append(b"data: [DONE]\n\n")
+        tokens.append(0)
+        return ReplyPlan(
+            status=200,
+            content_type="text/event-stream; charset=utf-8",
+            events=events,
+            tokens=tokens,
+            stream=True,
+            final_index=final_index,
+        )
+
+    def _reasoning_tokens(self, sample: Sample) -> int:
+        think_end = sample.think_ids[1]
+        return sample.ids.index(think_end) + 1 if think_end in sample.ids else 0
 
     def _logprob_entries(self, call: ChatCall, sample: Sample) -> list[dict[str, Any]]:
         entries = []

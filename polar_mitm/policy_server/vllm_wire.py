@@ -173,6 +173,11 @@ class VllmWire:
             top_logprobs=top_logprobs,
             return_token_ids=bool(body.get("return_token_ids") or False),
             max_tokens=max_tokens,
+            max_tokens_param=(
+                "max_completion_tokens"
+                if body.get("max_completion_tokens") is not None
+                else "max_tokens"
+            ),
             tool_choice=tool_choice,
             parse_tools=bool(render.tools) and tool_choice != "none",
             thinking_enabled=kwargs.get("enable_thinking", True) is not False,
@@ -197,16 +202,15 @@ class VllmWire:
             entries.append(entry)
         return entries
 
-    def _finish(self, call: ChatCall, sample: Sample, tools_called: bool, streaming: bool) -> str:
+    def _finish(self, call: ChatCall, sample: Sample, tools_called: bool) -> str:
+        """vLLM 0.33's ``resolve_finish_reason`` (``serve/utils/tool_calls_utils.py``), streaming
+        or not: ``tool_calls`` only when calls were made, the model stopped by itself (a cut
+        call keeps ``length``) and no single named tool was forced."""
         if sample.finish_override:
             return sample.finish_override
         natural = sample.finish_reason
         named = isinstance(call.tool_choice, Mapping)
-        if streaming:
-            return "tool_calls" if tools_called and not named and natural == "stop" else natural
-        auto_called = tools_called and call.tool_choice in ("auto", None)
-        required = call.tool_choice == "required" and natural == "stop"
-        return "tool_calls" if auto_called or required else natural
+        return "tool_calls" if tools_called and natural == "stop" and not named else natural
 
     def _put_reasoning(self, target: dict[str, Any], value: Any) -> None:
         if self.reasoning_field in ("reasoning", "both"):
@@ -267,7 +271,7 @@ class VllmWire:
             "logprobs": {"content": self._logprob_entries(call, sample)}
             if call.logprobs and not hide
             else None,
-            "finish_reason": self._finish(call, sample, bool(parsed.tool_calls), streaming=False),
+            "finish_reason": self._finish(call, sample, bool(parsed.tool_calls)),
             "stop_reason": sample.stop_reason,
             "token_ids": list(sample.ids) if call.return_token_ids and not hide else None,
         }
@@ -367,9 +371,7 @@ class VllmWire:
                 delta = {}
             choice: dict[str, Any] = {"index": 0, "delta": self._delta(delta), "logprobs": logprobs}
             if finished:
-                choice["finish_reason"] = self._finish(
-                    call, sample, parser.tools_streamed, streaming=True
-                )
+                choice["finish_reason"] = self._finish(call, sample, parser.tools_streamed)
                 choice["stop_reason"] = sample.stop_reason
             else:
                 choice["finish_reason"] = None

@@ -41,6 +41,7 @@ class ChatCall:
     top_logprobs: int = 0
     return_token_ids: bool = False
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the cap's name in the request (vLLM's error texts)
     tool_choice: Any = "none"
     parse_tools: bool = False
     thinking_enabled: bool = True

@@ -28,6 +28,7 @@ class TokenTally:
     model: str | None = None
     saw_output_ids: bool = False  # the server sent an output-ids field at all (even empty)
     flags: list[str] = field(default_factory=list)  # anomalies in the token fields (record flags)
+    abort_message: str | None = None  # SGLang's `abort` finish: why the server stopped
 
     def count_check(self) -> str:
         """`ok` when the sampled ids match the server's usage count (a vLLM bug once dropped
@@ -55,9 +56,10 @@ class TextPiece:
 
 class Upstream(ABC):
     kind: ClassVar[str]
-    # Whether chat streaming works together with the token flags. SGLang refuses it, so the
-    # call goes upstream non-streaming and the harness's stream is synthesized.
-    streams_with_tokens: ClassVar[bool] = True
+    # Whether chat streaming works together with the token flags. An SGLang without sglext ids
+    # refuses it, so the call goes upstream non-streaming and the harness's stream is
+    # synthesized; an instance may change it once it knows its server (SGLang's probe).
+    streams_with_tokens: bool = True
     chat_path: ClassVar[str] = "/v1/chat/completions"
     # How this server normalizes a conversation before its chat template (`conversation.py`):
     # what the no-ids fallback must reproduce to recompute prompt ids.
@@ -101,6 +103,11 @@ class Upstream(ABC):
         """The token-in request: `prompt_ids` verbatim, the chat request's sampling parameters
         (`exact_prefix.sampling`: OpenAI names, `max_tokens` always set) in this server's form."""
         raise NotImplementedError(f"{self.kind} has no token-in endpoint")
+
+    def token_in_unsupported(self, sampling: dict[str, Any]) -> str | None:
+        """Why these sampling parameters cannot go to the token-in endpoint (None: they can);
+        the call then goes the chat way with this as the note's reason."""
+        return None
 
     def take_text(self, obj: dict[str, Any], tally: TokenTally) -> TextPiece:
         """Move the token fields of one token-in chunk or reply into `tally`; the text piece."""

@@ -53,9 +53,12 @@ ROLLOUTS = {
 REWARD = 1.0
 ENDED_BY = {"pi": "shutdown", "codex": "control", "claude": "control"}
 CONTROL_TOKEN = "e2e-control-token"
-# vLLM's refusal of an output cap that does not fit beside the prompt (Claude Code asks 128000):
-# the proxy sends the call once more without the cap (docs/dialects.md, "The output cap").
-CAP_REFUSED = re.compile(r"max_tokens' or 'max_completion_tokens' is too large")
+# vLLM's refusal of an output cap (Claude Code asks 128000): 0.33's of a cap above max_model_len,
+# older vLLM's of one that does not fit beside the prompt. The proxy sends the call once more
+# without the cap (docs/dialects.md, "The output cap").
+CAP_REFUSED = re.compile(
+    r"max_tokens' or 'max_completion_tokens' is too large|cannot be greater than max_model_len"
+)
 # Log lines that are expected and are not API errors.
 KNOWN_NOISE = {
     # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.
@@ -138,10 +141,12 @@ def served_requests(server_url: str, upstream_chat: list[dict]) -> list[dict]:
     return served
 
 
-def run_through_proxy(name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm):
+def run_through_proxy(
+    name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, server_args=()
+):
     harness = HARNESSES[name]
     rollout, source = ROLLOUTS[name]
-    server = make_policy_server(SCENARIO)
+    server = make_policy_server(SCENARIO, *server_args)
     wire_log = tmp_path / "wire.jsonl"
     mitm = make_mitm(
         server.url,
@@ -275,10 +280,69 @@ def test_real_harness(
         assert header(llm[0], "authorization") is None  # no key on the wire: proxy credentials
         assert seen.calls[0]["session_id"] == header(llm[0], "session-id")
     if name == "claude":
-        # max_tokens 128000 does not fit beside the prompt in the policy's 131072 context: each
-        # call was refused once upstream and sent again without the cap.
-        assert retried == len(seen.calls), (retried, notes)
+        # max_tokens 128000 fits the policy's 131072 context (not beside the prompt): vLLM 0.33
+        # clamps it, one upstream request per call (test_claude_code_output_cap: 32768).
+        assert retried == 0, (retried, notes)
         assert seen.calls[0]["session_id"] == header(llm[0], "x-claude-code-session-id")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_model_len", [32768, 131072])
+def test_claude_code_output_cap(
+    max_model_len, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm
+):
+    """The real Claude Code against a vLLM 0.33 reference server at the two usual contexts: its
+    max_tokens=128000 is refused on 32768 (two upstream requests per call: the refusal, then
+    the call without the cap) and clamped on 131072 (one); either way the task completes with
+    exact ids."""
+    args = ("--max-model-len", str(max_model_len))
+    result, seen, server = run_through_proxy(
+        "claude", harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, args
+    )
+    log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert result.returncode == 0 and FINAL_TEXT in result.stdout, log
+    assert (result.workdir / FILE_NAME).read_text() == FILE_TEXT, log
+    upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
+    served = served_requests(server.url, upstream_chat)
+    assert len(seen.calls) == len(served) >= 2
+    per_call = 2 if max_model_len < 128000 else 1
+    assert len(upstream_chat) == per_call * len(seen.calls), [
+        u["body"].get("max_tokens") for u in upstream_chat
+    ]
+    assert all(u["body"]["max_tokens"] == 128000 for u in upstream_chat[::per_call])
+    for row, asked in zip(seen.calls, served, strict=True):
+        assert row["status"] == "completed" and row["trainable"] is True, row["error"]
+        assert row["prompt_token_ids"] == asked["answer"]["prompt_token_ids"]
+        assert row["output_token_ids"] == asked["answer"]["choices"][0]["token_ids"]
+        dropped = [n for n in row["translation_notes"] or [] if "max_tokens=128000 dropped" in n]
+        assert len(dropped) == per_call - 1, row["translation_notes"]
+
+
+@pytest.mark.slow
+def test_claude_code_prompt_too_long(
+    harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm
+):
+    """A context smaller than Claude Code's prompt: the server's refusal reaches the harness as
+    an Anthropic error and is never resent. vLLM 0.33 checks the cap first: each harness
+    request is refused for its max_tokens=128000, resent without it, then refused for the
+    prompt — two upstream requests, not three."""
+    args = ("--max-model-len", "4096")
+    result, seen, server = run_through_proxy(
+        "claude", harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, args
+    )
+    log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert result.returncode != 0 or FINAL_TEXT not in result.stdout, log
+    assert "without any output tokens" in result.stdout + result.stderr, log
+    upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
+    llm = [e for e in seen.wire if is_llm_request(e)]
+    assert llm and len(upstream_chat) == 2 * len(llm) == 2 * len(seen.calls), (
+        len(upstream_chat),
+        len(llm),
+    )
+    assert all(e["status"] == 400 for e in llm), [e["status"] for e in llm]
+    for row in seen.calls:
+        assert row["status"] == "error" and "without any output tokens" in row["error"]
+        assert len([n for n in row["translation_notes"] or [] if "max_tokens=128000" in n]) == 1
 
 
 def test_the_namespace_has_no_way_out_but_the_proxy(netns, make_policy_server):
