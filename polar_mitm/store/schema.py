@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: calls.agent, traces.purpose and traces.agent (nullable; v1 reads as null)
 
 _TS = pa.timestamp("us", tz="UTC")
 _IDS = pa.list_(pa.int32())
@@ -23,6 +23,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("group_id", pa.string()),
         pa.field("sample_index", pa.int32()),
         pa.field("session_id", pa.string()),
+        pa.field("agent", pa.string()),  # the harness's name for the calling agent (lineage.py)
         pa.field("proxy_id", pa.string()),
         pa.field("started_at", _TS),
         pa.field("first_byte_at", _TS),
@@ -74,6 +75,8 @@ TRACES_SCHEMA = pa.schema(
         pa.field("sample_index", pa.int32()),
         pa.field("proxy_id", pa.string()),
         pa.field("role", pa.string()),  # main | sub | side
+        pa.field("purpose", pa.string()),  # of its first call: main | compaction | title | ...
+        pa.field("agent", pa.string()),  # the harness's agent name (Codex: /root, ...) if any
         pa.field("parent_trace_id", pa.string()),
         pa.field("parent_prefix_len", pa.int32()),
         pa.field("break_reason", pa.string()),
