@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -128,7 +129,7 @@ def summary(directory: str, as_json: bool) -> None:
     policy / environment tokens are the traces' loss masks (traces/, written when a rollout
     ends). --json prints {"rollouts": [...], "groups": [...], "totals": {...}}.
     """
-    from . import captured
+    from . import captured, chaintree
     from .cli_tables import summary_tables
     from .summary import summarize
 
@@ -138,10 +139,22 @@ def summary(directory: str, as_json: bool) -> None:
         if calls.num_rows == 0 and traces.num_rows == 0:
             captured.read(directory, "calls")  # raises the "no shards" error
     result = summarize(calls, traces)
+    trees = _trees(traces)
     if as_json:
-        _echo_json(result.as_dict())
+        _echo_json({**result.as_dict(), "trees": {r: chaintree.tree_lines(t) for r, t in trees}})
         return
     console.print(summary_tables(result, directory, console.width))
+    for rollout_id, rows in trees:  # long sessions: how their chains hang together
+        if len(rows) > 1:
+            console.print(chaintree.tree(rollout_id, rows))
+
+
+def _trees(traces: Any) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each rollout's trace rows (`captured.read` keeps the latest revision), in written order."""
+    by_rollout: dict[str, list[dict[str, Any]]] = {}
+    for row in traces.to_pylist():
+        by_rollout.setdefault(row["rollout_id"], []).append(row)
+    return list(by_rollout.items())
 
 
 @main.command(short_help="The calls table: tokens, latency, errors.")

@@ -1,0 +1,131 @@
+"""Long sessions with the real harnesses: compaction and sub-agents, and the chains across them.
+
+Codex 0.169 is run with `model_auto_compact_token_limit` below its first prompt, so it compacts
+after every model turn of a three-tool-call task (write a.txt, b.txt, c.txt): each compaction
+request (`compaction_trigger` last) is answered by the policy through polar-mitm with one
+`compaction` item, and Codex goes on from it. The scenario (scenarios/codex_compaction.json)
+tells the steps apart by the progress its summaries record, since the history that would tell
+them is gone after each compaction. What is checked: Codex exits 0 with the files written;
+every call is `completed` with exactly the server's ids; each compaction call has purpose
+`compaction` and its own `side` chain branching off the chain it summarizes; the main chain
+after it starts with break reason `compaction` and that chain as its parent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from polar_mitm import compaction
+
+from .harnesses import HARNESSES, Harness
+from .test_harnesses import (
+    ROLLOUTS,
+    assert_exact_calls,
+    header,
+    is_llm_request,
+    run_through_proxy,
+)
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+CODEX_COMPACTION = SCENARIOS / "codex_compaction.json"
+THREE_FILES = (
+    "Create three files, a.txt, b.txt and c.txt, each containing exactly its own name without "
+    "the extension (a, b, c); use one shell command per file."
+)
+THREE_DONE = "I created a.txt, b.txt and c.txt."
+# Below Codex's first prompt (its instructions alone are several thousand tokens): it compacts
+# after every model turn that asks for a tool.
+COMPACT_LIMIT = 2000
+
+
+def codex_configured(config: str) -> Harness:
+    """Codex with `config` as its ~/.codex/config.toml."""
+
+    def configure(home: Path, work: Path) -> None:
+        (home / ".codex").mkdir(parents=True, exist_ok=True)
+        (home / ".codex" / "config.toml").write_text(config)
+
+    return dataclasses.replace(HARNESSES["codex"], configure=configure)
+
+
+def items_of(entry: dict) -> list[dict]:
+    return [i for i in entry["body"].get("input") or [] if isinstance(i, dict)]
+
+
+def test_the_scenario_knows_the_compaction_instruction():
+    """The scenario picks compaction requests by a phrase of the instruction: keep them in step."""
+    scripts = json.loads(CODEX_COMPACTION.read_text())["scripts"]
+    marks = {s["match"].get("last_user_contains") for s in scripts if "match" in s} - {None}
+    assert marks and all(m in compaction.INSTRUCTION for m in marks)
+
+
+@pytest.mark.slow
+def test_codex_survives_compaction_with_the_policy_writing_the_summary(
+    harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm
+):
+    rollout, source = ROLLOUTS["codex"]
+    harness = codex_configured(f"model_auto_compact_token_limit = {COMPACT_LIMIT}\n")
+    result, seen, server = run_through_proxy(
+        "codex",
+        harness_bin,
+        netns,
+        tmp_path,
+        confdir,
+        make_policy_server,
+        make_mitm,
+        scenario=CODEX_COMPACTION,
+        harness=harness,
+        prompt=THREE_FILES,
+        timeout=300,
+    )
+    log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert result.returncode == 0, log
+    assert THREE_DONE in result.stdout, log
+    for name in "abc":
+        assert (result.workdir / f"{name}.txt").read_text() == name, log
+
+    llm = [e for e in seen.wire if is_llm_request(e)]
+    assert all(e["status"] == 200 for e in llm), [(e["path"], e["status"]) for e in llm]
+    upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
+    assert_exact_calls(seen, server, llm, upstream_chat, rollout, source)
+
+    # What Codex sent: compaction requests end with the trigger; the request after each one
+    # carries the compaction item it was answered, in place of the history.
+    triggered = [
+        i
+        for i, e in enumerate(llm)
+        if items_of(e) and items_of(e)[-1].get("type") == "compaction_trigger"
+    ]
+    assert len(triggered) >= 1, [[i.get("type") for i in items_of(e)] for e in llm]
+    for i in triggered:
+        metadata = json.loads(header(llm[i], "x-codex-turn-metadata") or "{}")
+        assert metadata.get("request_kind") == "compaction", metadata
+        assert "remote_compaction_v2" in (header(llm[i], "x-codex-beta-features") or "")
+        after = llm[i + 1]
+        assert any(compaction.is_summary_item(x) for x in items_of(after)), items_of(after)
+
+    calls = seen.calls
+    purposes = [c["purpose"] for c in calls]
+    assert [i for i, p in enumerate(purposes) if p == "compaction"] == triggered, purposes
+    assert set(purposes) <= {"main", "compaction"}, purposes
+    by_call = {cid: t for t in seen.traces for cid in t["call_ids"]}
+    for i in triggered:
+        before, summary, after = calls[i - 1], calls[i], calls[i + 1]
+        parent = by_call[before["call_id"]]
+        own = by_call[summary["call_id"]]
+        assert (own["role"], own["purpose"], own["call_ids"]) == (
+            "side",
+            "compaction",
+            [summary["call_id"]],
+        )
+        assert own["parent_trace_id"] == parent["trace_id"]
+        assert own["num_policy_tokens"] == len(summary["output_token_ids"]) > 0
+        nxt = by_call[after["call_id"]]
+        assert nxt["call_ids"][0] == after["call_id"], "the call after a compaction starts a chain"
+        assert (nxt["role"], nxt["break_reason"]) == ("main", "compaction"), nxt["break_detail"]
+        assert nxt["parent_trace_id"] == parent["trace_id"]
+    assert all(t["trainable"] for t in seen.traces), [t["untrainable_reason"] for t in seen.traces]
