@@ -17,6 +17,7 @@ from .certs import DEFAULT_CONFDIR, ensure_ca, env_lines
 from .export import FORMATS
 
 console = Console()
+NEMO_GYM = "nemo-gym"
 
 
 def fail(message: str) -> None:
@@ -304,10 +305,12 @@ def show(
 @click.option("--all", "include_all", is_flag=True, help="Also untrainable and unfinished traces.")
 @click.option(
     "--role",
+    "--roles",
     "roles",
     multiple=True,
-    type=click.Choice(["main", "sub", "side"]),
-    help="Only traces of this role (repeatable; default: all).",
+    type=click.Choice(["main", "sub", "side", "all"]),
+    help="Only traces of this role (repeatable; default: all, for nemo-gym: main; "
+    "'all' for every role).",
 )
 @TOKENIZER
 @click.option(
@@ -342,6 +345,11 @@ def export(
     from .export import export as write_export
     from .tokens import resolve
 
+    if not roles and fmt == NEMO_GYM:
+        # NeMo RL takes one result per rollout: the main agent's chains; sub-agents' and side
+        # chains (compaction summaries, titles) are left out and counted unless asked for.
+        roles = ("main",)
+    roles = () if "all" in roles else roles
     with _user_errors():
         traces = captured.read(directory, "traces").to_pylist()
         kept, skipped = select(traces, include_all, roles)
@@ -371,7 +379,8 @@ def export(
         f"{result.policy_tokens} policy tokens, to {out}"
     )
     for why, n in skipped.items():
-        click.echo(f"left out {n} trace(s): {why}", file=err)
+        hint = " (--role to include)" if why.startswith("role ") else ""
+        click.echo(f"left out {n} trace(s): {why}{hint}", file=err)
     if result.without_reward:
         click.echo(
             f"warning: {result.without_reward} record(s) have no reward "
