@@ -394,6 +394,8 @@ def _add_item(builder: ChatBuilder, tools: _Tools, item: Any, where: str) -> Non
         builder.tool_result(call_id, _parts(item.get("output"), f"{where}.output"))
     elif kind == "additional_tools":
         tools.add_all(item.get("tools"), f"{where}.tools")
+    elif kind == "agent_message":  # Codex multi-agent: a task or an answer from another agent
+        builder.user(_agent_message(item, where))
     elif compaction.is_summary_item(item):
         try:
             builder.user(compaction.summary_message(unseal(item.get("encrypted_content"))))
@@ -409,6 +411,28 @@ def _add_item(builder: ChatBuilder, tools: _Tools, item: Any, where: str) -> Non
             f"{where}: input item type {kind!r} is not supported by polar-mitm "
             "(it has no chat-completions form for the policy)"
         )
+
+
+def _agent_message(item: dict[str, Any], where: str) -> str:
+    """The text of a Codex `agent_message` (`author` -> `recipient`), as the user turn it is for
+    the policy. Its payload part is `encrypted_content` because the real API encrypts the
+    `message` argument of `spawn_agent`; behind polar-mitm the policy wrote that argument, so the
+    value is its own text (or our sealed form of it) and is shown as it is."""
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise DialectError(f"{where}.content must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise DialectError(f"{where}.content[{j}] must be an object")
+        if part.get("type") == "encrypted_content":
+            value = part.get("encrypted_content")
+            texts.append(unseal(value) or (value if isinstance(value, str) else ""))
+        else:
+            texts.append(_text_only([part], f"{where}.content"))
+    return "".join(texts)
 
 
 def _tool_choice(choice: Any, tools: _Tools) -> Any:

@@ -129,3 +129,58 @@ def test_codex_survives_compaction_with_the_policy_writing_the_summary(
         assert (nxt["role"], nxt["break_reason"]) == ("main", "compaction"), nxt["break_detail"]
         assert nxt["parent_trace_id"] == parent["trace_id"]
     assert all(t["trainable"] for t in seen.traces), [t["untrainable_reason"] for t in seen.traces]
+
+
+CODEX_SUBAGENT = SCENARIOS / "codex_subagent.json"
+DELEGATE = "Use a sub-agent (spawn_agent) to create a file named s.txt containing exactly: sub"
+
+
+@pytest.mark.slow
+def test_a_codex_spawn_agent_sub_agent_is_a_linked_sub_chain(
+    harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm
+):
+    rollout, source = ROLLOUTS["codex"]
+    result, seen, server = run_through_proxy(
+        "codex",
+        harness_bin,
+        netns,
+        tmp_path,
+        confdir,
+        make_policy_server,
+        make_mitm,
+        scenario=CODEX_SUBAGENT,
+        prompt=DELEGATE,
+        timeout=300,
+    )
+    log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert result.returncode == 0, log
+    assert "The sub-agent created s.txt." in result.stdout, log
+    assert (result.workdir / "s.txt").read_text() == "sub", log
+
+    llm = [e for e in seen.wire if is_llm_request(e)]
+    upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
+    assert_exact_calls(seen, server, llm, upstream_chat, rollout, source)
+    agents = [json.loads(header(e, "x-codex-turn-metadata") or "{}").get("agent_name") for e in llm]
+    assert [c["agent"] for c in seen.calls] == agents
+    spawned = sorted({a for a in agents if a != "/root"})
+    assert len(spawned) == 1 and spawned[0].startswith("/root/"), agents
+
+    by_call = {cid: t for t in seen.traces for cid in t["call_ids"]}
+    root_calls = [c for c in seen.calls if c["agent"] == "/root"]
+    sub_calls = [c for c in seen.calls if c["agent"] == spawned[0]]
+    # The sub-agent's calls are one sub chain, hung off the root chain that spawned it.
+    root = by_call[root_calls[0]["call_id"]]
+    sub = by_call[sub_calls[0]["call_id"]]
+    assert sub["call_ids"] == [c["call_id"] for c in sub_calls]
+    assert (sub["role"], sub["break_reason"], sub["agent"]) == ("sub", "sub_agent", spawned[0])
+    assert sub["parent_trace_id"] == root["trace_id"] and root["role"] == "main"
+    assert json.loads(sub["break_detail"])["agent_changed"] is True
+    # The root's calls stay in root chains. Its answer from the sub-agent is a new user turn
+    # (an `agent_message`), before which Qwen3's template drops earlier thinking: the root's
+    # last call re-renders its history and starts a main chain of its own (`rerender`).
+    for c in root_calls:
+        t = by_call[c["call_id"]]
+        assert (t["role"], t["agent"]) == ("main", "/root"), t
+        if t is not root:
+            assert t["break_reason"] == "rerender" and t["parent_trace_id"] == root["trace_id"]
+    assert all(t["trainable"] for t in seen.traces), [t["untrainable_reason"] for t in seen.traces]
