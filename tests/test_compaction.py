@@ -98,7 +98,7 @@ def test_the_compact_endpoint_answers_a_compaction_object_keeping_the_user_messa
         ("message", "user"),
         ("compaction", None),
     ]
-    assert reply["output"][0] == HISTORY[1]
+    assert reply["output"][0]["content"] == HISTORY[1]["content"]
     text = parse([reply["output"][1]]).chat["messages"][0]["content"]
     assert text == compaction.SUMMARY_PREFIX + "summary"
 

@@ -855,7 +855,7 @@ class _CompactionStream(_ResponsesStream):
         if self.req.extra.get("compaction") != "endpoint":
             return self.response
         kept = [
-            item
+            _output_message(item)
             for item in self.req.body.get("input") or ()
             if isinstance(item, dict)
             and item.get("type", "message") == "message"
@@ -868,6 +868,20 @@ class _CompactionStream(_ResponsesStream):
             "output": [*kept, *self.output],
             "usage": self.response["usage"],
         }
+
+
+def _output_message(item: dict[str, Any]) -> dict[str, Any]:
+    """A user message of the input as an output item (what `/responses/compact` returns)."""
+    content = item.get("content")
+    if isinstance(content, str):
+        content = [{"type": "input_text", "text": content}]
+    return {
+        "id": item.get("id") or new_id("msg_"),
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": content,
+    }
 
 
 def _translator(req: HarnessRequest, live: bool = True) -> _ResponsesStream:
