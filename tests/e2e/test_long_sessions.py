@@ -63,27 +63,37 @@ def test_the_scenario_knows_the_compaction_instruction():
     assert marks and all(m in compaction.INSTRUCTION for m in marks)
 
 
+@pytest.fixture
+def codex_session(harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm):
+    """Run Codex through the proxy with these keywords (run_through_proxy's); it must exit 0.
+    Returns (result, what everyone saw, the policy server, a log for assertion messages)."""
+
+    def run(**keywords):
+        result, seen, server = run_through_proxy(
+            "codex",
+            harness_bin,
+            netns,
+            tmp_path,
+            confdir,
+            make_policy_server,
+            make_mitm,
+            timeout=300,
+            **keywords,
+        )
+        log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        assert result.returncode == 0, log
+        return result, seen, server, log
+
+    return run
+
+
 @pytest.mark.slow
-def test_codex_survives_compaction_with_the_policy_writing_the_summary(
-    harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm
-):
+def test_codex_survives_compaction_with_the_policy_writing_the_summary(codex_session):
     rollout, source = ROLLOUTS["codex"]
     harness = codex_configured(f"model_auto_compact_token_limit = {COMPACT_LIMIT}\n")
-    result, seen, server = run_through_proxy(
-        "codex",
-        harness_bin,
-        netns,
-        tmp_path,
-        confdir,
-        make_policy_server,
-        make_mitm,
-        scenario=CODEX_COMPACTION,
-        harness=harness,
-        prompt=THREE_FILES,
-        timeout=300,
+    result, seen, server, log = codex_session(
+        scenario=CODEX_COMPACTION, harness=harness, prompt=THREE_FILES
     )
-    log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    assert result.returncode == 0, log
     assert THREE_DONE in result.stdout, log
     for name in "abc":
         assert (result.workdir / f"{name}.txt").read_text() == name, log
@@ -136,24 +146,9 @@ DELEGATE = "Use a sub-agent (spawn_agent) to create a file named s.txt containin
 
 
 @pytest.mark.slow
-def test_a_codex_spawn_agent_sub_agent_is_a_linked_sub_chain(
-    harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm
-):
+def test_a_codex_spawn_agent_sub_agent_is_a_linked_sub_chain(codex_session):
     rollout, source = ROLLOUTS["codex"]
-    result, seen, server = run_through_proxy(
-        "codex",
-        harness_bin,
-        netns,
-        tmp_path,
-        confdir,
-        make_policy_server,
-        make_mitm,
-        scenario=CODEX_SUBAGENT,
-        prompt=DELEGATE,
-        timeout=300,
-    )
-    log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    assert result.returncode == 0, log
+    result, seen, server, log = codex_session(scenario=CODEX_SUBAGENT, prompt=DELEGATE)
     assert "The sub-agent created s.txt." in result.stdout, log
     assert (result.workdir / "s.txt").read_text() == "sub", log
 
