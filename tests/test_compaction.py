@@ -186,3 +186,43 @@ def test_agent_of_reads_codex_turn_metadata():
     assert agent_of({"x-codex-turn-metadata": json.dumps({"agent_name": "/root"})}) == "/root"
     assert agent_of({"x-codex-turn-metadata": "not json"}) is None
     assert agent_of({}) is None
+
+
+def test_a_codex_agent_message_is_a_user_turn_with_its_payload():
+    """As Codex 0.169 sends a spawn_agent task (recorded): a header part, then the `message`
+    argument the policy wrote, in an `encrypted_content` part."""
+    item = {
+        "type": "agent_message",
+        "author": "/root",
+        "recipient": "/root/writer",
+        "content": [
+            {"type": "input_text", "text": "Message Type: NEW_TASK\nPayload:\n"},
+            {"type": "encrypted_content", "encrypted_content": "SUBTASK: write s.txt"},
+        ],
+    }
+    req = parse([user("hi"), item])
+    assert req.chat["messages"][1] == {
+        "role": "user",
+        "content": "Message Type: NEW_TASK\nPayload:\nSUBTASK: write s.txt",
+    }
+
+
+def test_the_chain_tree_is_depth_first_under_each_parent():
+    from polar_mitm.chaintree import label, tree_lines
+
+    rows = [
+        {"trace_id": "m1", "role": "main", "break_reason": "first_call", "call_ids": ["a"]},
+        {"trace_id": "c1", "parent_trace_id": "m1", "role": "side", "purpose": "compaction"},
+        {"trace_id": "m2", "parent_trace_id": "m1", "role": "main", "break_reason": "compaction"},
+        {"trace_id": "s1", "parent_trace_id": "m2", "role": "sub", "agent": "/root/w"},
+        {"trace_id": "orphan", "parent_trace_id": "gone", "role": "side"},
+    ]
+    lines = tree_lines(rows)
+    assert [(x["depth"], x["trace_id"]) for x in lines] == [
+        (0, "m1"),
+        (1, "c1"),
+        (1, "m2"),
+        (2, "s1"),
+        (0, "orphan"),
+    ]
+    assert "purpose compaction" in label(rows[1]) and "agent /root/w" in label(rows[3])
