@@ -63,14 +63,37 @@ def test_the_scenario_knows_the_compaction_instruction():
     assert marks and all(m in compaction.INSTRUCTION for m in marks)
 
 
-@pytest.fixture
-def codex_session(harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm):
-    """Run Codex through the proxy with these keywords (run_through_proxy's); it must exit 0.
-    Returns (result, what everyone saw, the policy server, a log for assertion messages)."""
+def assert_compaction_links(seen, i: int) -> None:
+    """Call `i` is a compaction: its own `side` chain (purpose `compaction`) off the chain it
+    summarizes (the one holding call i-1), whose tokens are policy tokens; call i+1 starts a
+    `main` chain with break reason `compaction` and that same chain as its parent."""
+    calls = seen.calls
+    by_call = {cid: t for t in seen.traces for cid in t["call_ids"]}
+    before, summary, after = calls[i - 1], calls[i], calls[i + 1]
+    parent = by_call[before["call_id"]]
+    own = by_call[summary["call_id"]]
+    assert (own["role"], own["purpose"], own["call_ids"]) == (
+        "side",
+        "compaction",
+        [summary["call_id"]],
+    )
+    assert own["parent_trace_id"] == parent["trace_id"]
+    assert own["num_policy_tokens"] == len(summary["output_token_ids"]) > 0
+    nxt = by_call[after["call_id"]]
+    assert nxt["call_ids"][0] == after["call_id"], "the call after a compaction starts a chain"
+    assert (nxt["role"], nxt["break_reason"]) == ("main", "compaction"), nxt["break_detail"]
+    assert nxt["parent_trace_id"] == parent["trace_id"]
 
-    def run(**keywords):
+
+@pytest.fixture
+def harness_session(harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm):
+    """Run a harness (Codex unless named) through the proxy with these keywords
+    (run_through_proxy's); it must exit 0. Returns (result, what everyone saw, the policy
+    server, a log for assertion messages)."""
+
+    def run(name: str = "codex", **keywords):
         result, seen, server = run_through_proxy(
-            "codex",
+            name,
             harness_bin,
             netns,
             tmp_path,
@@ -88,10 +111,10 @@ def codex_session(harness_bin, netns, tmp_path, confdir, make_policy_server, mak
 
 
 @pytest.mark.slow
-def test_codex_survives_compaction_with_the_policy_writing_the_summary(codex_session):
+def test_codex_survives_compaction_with_the_policy_writing_the_summary(harness_session):
     rollout, source = ROLLOUTS["codex"]
     harness = codex_configured(f"model_auto_compact_token_limit = {COMPACT_LIMIT}\n")
-    result, seen, server, log = codex_session(
+    result, seen, server, log = harness_session(
         scenario=CODEX_COMPACTION, harness=harness, prompt=THREE_FILES
     )
     assert THREE_DONE in result.stdout, log
@@ -122,22 +145,8 @@ def test_codex_survives_compaction_with_the_policy_writing_the_summary(codex_ses
     purposes = [c["purpose"] for c in calls]
     assert [i for i, p in enumerate(purposes) if p == "compaction"] == triggered, purposes
     assert set(purposes) <= {"main", "compaction"}, purposes
-    by_call = {cid: t for t in seen.traces for cid in t["call_ids"]}
     for i in triggered:
-        before, summary, after = calls[i - 1], calls[i], calls[i + 1]
-        parent = by_call[before["call_id"]]
-        own = by_call[summary["call_id"]]
-        assert (own["role"], own["purpose"], own["call_ids"]) == (
-            "side",
-            "compaction",
-            [summary["call_id"]],
-        )
-        assert own["parent_trace_id"] == parent["trace_id"]
-        assert own["num_policy_tokens"] == len(summary["output_token_ids"]) > 0
-        nxt = by_call[after["call_id"]]
-        assert nxt["call_ids"][0] == after["call_id"], "the call after a compaction starts a chain"
-        assert (nxt["role"], nxt["break_reason"]) == ("main", "compaction"), nxt["break_detail"]
-        assert nxt["parent_trace_id"] == parent["trace_id"]
+        assert_compaction_links(seen, i)
     assert all(t["trainable"] for t in seen.traces), [t["untrainable_reason"] for t in seen.traces]
 
 
@@ -146,9 +155,9 @@ DELEGATE = "Use a sub-agent (spawn_agent) to create a file named s.txt containin
 
 
 @pytest.mark.slow
-def test_a_codex_spawn_agent_sub_agent_is_a_linked_sub_chain(codex_session):
+def test_a_codex_spawn_agent_sub_agent_is_a_linked_sub_chain(harness_session):
     rollout, source = ROLLOUTS["codex"]
-    result, seen, server, log = codex_session(scenario=CODEX_SUBAGENT, prompt=DELEGATE)
+    result, seen, server, log = harness_session(scenario=CODEX_SUBAGENT, prompt=DELEGATE)
     assert "The sub-agent created s.txt." in result.stdout, log
     assert (result.workdir / "s.txt").read_text() == "sub", log
 
@@ -178,4 +187,65 @@ def test_a_codex_spawn_agent_sub_agent_is_a_linked_sub_chain(codex_session):
         assert (t["role"], t["agent"]) == ("main", "/root"), t
         if t is not root:
             assert t["break_reason"] == "rerender" and t["parent_trace_id"] == root["trace_id"]
+    assert all(t["trainable"] for t in seen.traces), [t["untrainable_reason"] for t in seen.traces]
+
+
+CLAUDE_COMPACTION = SCENARIOS / "claude_compaction.json"
+LIST_AND_WRITE = (
+    "List the numbers 1 to 3000 with seq, then create a.txt and b.txt, each containing exactly "
+    "its own name without the extension; one Bash command each."
+)
+LIST_DONE = "I listed the numbers and created a.txt and b.txt."
+# What makes Claude Code 2.1.328 compact (its bundle, docs/trajectories.md "Lineage"): a window
+# set by CLAUDE_CODE_AUTO_COMPACT_WINDOW (below 100k it counts as 100k; without one, `-p` never
+# compacts), 100k - 20k of output room = 80k, and CLAUDE_AUTOCOMPACT_PCT_OVERRIDE of that:
+# 26.25% = 21,000 tokens, compared with the last reply's usage (the Qwen3 prompt the proxy
+# reports, ~13k for Claude Code's first prompt) plus its own estimate of what came after. The
+# ~14k Qwen3 tokens of `seq 1 3000` (each digit is a token) put the third call's check over
+# it, and only that one: Claude Code estimates the output at ~3.5k before the second call, and
+# after the compaction the prompt is back near 13k.
+CLAUDE_COMPACT_ENV = {
+    "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000",
+    "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "26.25",
+}
+
+
+def first_user_text(entry: dict) -> str:
+    first = next(m for m in entry["body"]["messages"] if m["role"] == "user")
+    content = first["content"]
+    return content if isinstance(content, str) else content[0].get("text", "")
+
+
+@pytest.mark.slow
+def test_claude_code_compacts_by_itself_and_the_chains_stay_linked(harness_session):
+    rollout, source = ROLLOUTS["claude"]
+    claude = HARNESSES["claude"]
+    harness = dataclasses.replace(claude, extra_env={**claude.extra_env, **CLAUDE_COMPACT_ENV})
+    result, seen, server, log = harness_session(
+        "claude", scenario=CLAUDE_COMPACTION, harness=harness, prompt=LIST_AND_WRITE
+    )
+    assert LIST_DONE in result.stdout, log
+    for name in "ab":
+        assert (result.workdir / f"{name}.txt").read_text() == name, log
+
+    llm = [e for e in seen.wire if is_llm_request(e)]
+    assert all(e["status"] == 200 for e in llm), [(e["path"], e["status"]) for e in llm]
+    upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
+    assert_exact_calls(seen, server, llm, upstream_chat, rollout, source)
+
+    # What Claude Code sent: one summary request (its own prompt, last), then a conversation
+    # whose first user turn is the continuation message with the policy's summary.
+    asked = [
+        i
+        for i, e in enumerate(llm)
+        if compaction.CLAUDE_COMPACT_PROMPT in json.dumps(e["body"]["messages"][-1])
+    ]
+    assert len(asked) == 1 and 0 < asked[0] < len(llm) - 1, len(llm)
+    (i,) = asked
+    after = first_user_text(llm[i + 1])
+    assert after.startswith(compaction.CLAUDE_CONTINUATION) and "[progress 1]" in after, after
+
+    purposes = [c["purpose"] for c in seen.calls]
+    assert [n for n, p in enumerate(purposes) if p == "compaction"] == asked, purposes
+    assert_compaction_links(seen, i)
     assert all(t["trainable"] for t in seen.traces), [t["untrainable_reason"] for t in seen.traces]
