@@ -8,7 +8,9 @@ tells the steps apart by the progress its summaries record, since the history th
 them is gone after each compaction. What is checked: Codex exits 0 with the files written;
 every call is `completed` with exactly the server's ids; each compaction call has purpose
 `compaction` and its own `side` chain branching off the chain it summarizes; the main chain
-after it starts with break reason `compaction` and that chain as its parent.
+after it starts with break reason `compaction` and that chain as its parent. Claude Code 2.1.328
+is made to compact by itself once (its window and threshold variables, a large tool output; see
+CLAUDE_COMPACT_ENV), with the same checks on its summary call and the chain after it.
 """
 
 from __future__ import annotations
@@ -197,13 +199,13 @@ LIST_AND_WRITE = (
 )
 LIST_DONE = "I listed the numbers and created a.txt and b.txt."
 # What makes Claude Code 2.1.328 compact (its bundle, docs/trajectories.md "Lineage"): a window
-# set by CLAUDE_CODE_AUTO_COMPACT_WINDOW (below 100k it counts as 100k; without one, `-p` never
-# compacts), 100k - 20k of output room = 80k, and CLAUDE_AUTOCOMPACT_PCT_OVERRIDE of that:
+# set by CLAUDE_CODE_AUTO_COMPACT_WINDOW (below 100k it counts as 100k; without one it does not
+# compact before a call), 100k - 20k of output room = 80k, and CLAUDE_AUTOCOMPACT_PCT_OVERRIDE of that:
 # 26.25% = 21,000 tokens, compared with the last reply's usage (the Qwen3 prompt the proxy
-# reports, ~13k for Claude Code's first prompt) plus its own estimate of what came after. The
+# reports, 11.5k for Claude Code's first prompt) plus its own estimate of what came after. The
 # ~14k Qwen3 tokens of `seq 1 3000` (each digit is a token) put the third call's check over
-# it, and only that one: Claude Code estimates the output at ~3.5k before the second call, and
-# after the compaction the prompt is back near 13k.
+# it, and only that one: before the second call Claude Code counts that output by its own
+# estimate (from bytes, far below 14k), and after the compaction the prompt is back near 11.7k.
 CLAUDE_COMPACT_ENV = {
     "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000",
     "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "26.25",
