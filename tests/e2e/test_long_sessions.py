@@ -10,7 +10,8 @@ every call is `completed` with exactly the server's ids; each compaction call ha
 `compaction` and its own `side` chain branching off the chain it summarizes; the main chain
 after it starts with break reason `compaction` and that chain as its parent. Claude Code 2.1.328
 is made to compact by itself once (its window and threshold variables, a large tool output; see
-CLAUDE_COMPACT_ENV), with the same checks on its summary call and the chain after it.
+CLAUDE_COMPACT_ENV), with the same checks on its summary call and the chain after it. A Codex `spawn_agent` sub-agent
+and a Claude Code `Agent` sub-agent each become one `sub` chain under the chain that spawned it.
 """
 
 from __future__ import annotations
@@ -250,4 +251,42 @@ def test_claude_code_compacts_by_itself_and_the_chains_stay_linked(harness_sessi
     purposes = [c["purpose"] for c in seen.calls]
     assert [n for n, p in enumerate(purposes) if p == "compaction"] == asked, purposes
     assert_compaction_links(seen, i)
+    assert all(t["trainable"] for t in seen.traces), [t["untrainable_reason"] for t in seen.traces]
+
+
+CLAUDE_SUBAGENT = SCENARIOS / "claude_subagent.json"
+CLAUDE_DELEGATE = (
+    "Use a sub-agent (the Agent tool) to create a file named s.txt containing exactly: sub"
+)
+
+
+@pytest.mark.slow
+def test_a_claude_code_agent_sub_agent_is_a_linked_sub_chain(harness_session):
+    rollout, source = ROLLOUTS["claude"]
+    result, seen, server, log = harness_session(
+        "claude", scenario=CLAUDE_SUBAGENT, prompt=CLAUDE_DELEGATE
+    )
+    assert "The sub-agent created s.txt." in result.stdout, log
+    assert (result.workdir / "s.txt").read_text() == "sub", log
+
+    llm = [e for e in seen.wire if is_llm_request(e)]
+    upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
+    assert_exact_calls(seen, server, llm, upstream_chat, rollout, source)
+    # Claude Code says which agent sent each request (another system prompt and tool set tell
+    # the proxy, which does not read this header).
+    kinds = [header(e, "x-claude-code-request-class") for e in llm]
+    main_calls = [c for c, k in zip(seen.calls, kinds, strict=True) if k == "main"]
+    sub_calls = [c for c, k in zip(seen.calls, kinds, strict=True) if k == "subagent"]
+    assert len(main_calls) == 2 and len(sub_calls) == 2, kinds
+
+    by_call = {cid: t for t in seen.traces for cid in t["call_ids"]}
+    main = by_call[main_calls[0]["call_id"]]
+    sub = by_call[sub_calls[0]["call_id"]]
+    # The parent's calls around the Agent tool stay one main chain (the sub-agent's answer is
+    # the Agent tool's result); the sub-agent's calls are one sub chain hung off it.
+    assert (main["role"], main["call_ids"]) == ("main", [c["call_id"] for c in main_calls])
+    assert (sub["role"], sub["break_reason"]) == ("sub", "sub_agent"), sub["break_detail"]
+    assert sub["call_ids"] == [c["call_id"] for c in sub_calls]
+    assert sub["parent_trace_id"] == main["trace_id"]
+    assert json.loads(sub["break_detail"])["system_changed"] is True
     assert all(t["trainable"] for t in seen.traces), [t["untrainable_reason"] for t in seen.traces]
