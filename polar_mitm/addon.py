@@ -56,6 +56,7 @@ from .fidelity_check import FidelityStage
 from .fidelity_check import describe as describe_fidelity
 from .gateway import Gateway
 from .identity import API_KEY_PREFIX, RolloutIdentity, api_key, proxy_user, resolve
+from .lineage import agent_of
 from .metrics import MetricsAddon, ProxyMetrics
 from .output_parsers import FAMILIES, family
 from .retokenize import Retokenizer
@@ -767,6 +768,7 @@ class CaptureAddon:
         record.model_requested = req.model
         purpose = headers.get(PURPOSE_HEADER, "").strip().lower()
         record.purpose = purpose if _PURPOSE.match(purpose) else req.purpose
+        record.agent = agent_of(headers)
         record.translation_notes = list(req.notes)
         if req.local:
             await self._answer_locally(flow, dialect, req, record)

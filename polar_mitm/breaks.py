@@ -13,6 +13,10 @@ Reasons, in the order they are tested:
 - ``side_call``: the call's purpose is not ``main`` (titles, summaries, token counts);
 - ``first_call``: no chain a main call could join exists yet;
 - ``retry``: the prompt is an earlier state of the parent chain (the same prompt again);
+- ``sub_agent``: the harness names another agent than the parent chain's (Codex's
+  `x-codex-turn-metadata` `agent_name`, see lineage.py);
+- ``compaction``: the request carries one more compacted history than the parent's last call
+  (a Codex `compaction` item, Claude Code's continuation message; see compaction.py);
 - ``sub_agent``: another system prompt or tool set than the parent's last call, or a new task
   given to a chain that is itself a sub-agent;
 - ``compaction``: a run of earlier messages was replaced by new ones (a summary);
@@ -30,6 +34,8 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .compaction import is_continuation, is_summary_item
 
 FIRST_CALL = "first_call"
 SIDE_CALL = "side_call"
@@ -63,6 +69,7 @@ class RequestView:
     system: str
     tools: tuple[str, ...]  # sorted tool names
     messages: tuple[str, ...]  # one fingerprint per non-system message, in order
+    summaries: int = 0  # messages that carry a compacted history (compaction.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +87,8 @@ class BreakEvidence:
     tools_changed: bool | None = None
     history: str | None = None  # history_change(...) or None
     first_message_changed: bool | None = None
+    compacted: bool | None = None  # one more compacted history than the parent's last call
+    agent_changed: bool | None = None  # the harness names another agent than the parent's
 
 
 def classify_break(e: BreakEvidence) -> str:
@@ -90,6 +99,10 @@ def classify_break(e: BreakEvidence) -> str:
         return FIRST_CALL
     if e.lcp == e.prompt_len < e.parent_len:
         return RETRY
+    if e.agent_changed:
+        return SUB_AGENT
+    if e.compacted:
+        return COMPACTION
     if e.system_changed or e.tools_changed:
         return SUB_AGENT
     if e.parent_role == "sub" and e.first_message_changed and e.history in (COMPACTED, EDITED):
@@ -158,6 +171,7 @@ def request_view(request_json: str | None) -> RequestView | None:
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     messages: list[str] = []
+    summaries = 0
     for item in items if isinstance(items, list) else ():
         if isinstance(item, dict):
             if item.get("type") == "additional_tools":  # Codex puts its tools in the input
@@ -166,8 +180,12 @@ def request_view(request_json: str | None) -> RequestView | None:
             if not messages and item.get("role") in _SYSTEM_ROLES:
                 system.append(_text(item.get("content")))
                 continue
+            if is_summary_item(item) or (
+                item.get("role") == "user" and is_continuation(_text(item.get("content")))
+            ):
+                summaries += 1
         messages.append(fingerprint(item))
-    return RequestView("\n".join(system), tuple(sorted(tools)), tuple(messages))
+    return RequestView("\n".join(system), tuple(sorted(tools)), tuple(messages), summaries)
 
 
 def fingerprint(message: Any) -> str:

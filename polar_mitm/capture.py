@@ -65,6 +65,7 @@ class CallRecord:
     group_id: str | None = None
     sample_index: int | None = None
     session_id: str | None = None
+    agent: str | None = None  # the harness's name for the calling agent (lineage.agent_of)
     proxy_id: str | None = None
     started_at: int = field(default_factory=now_us)
     first_byte_at: int | None = None

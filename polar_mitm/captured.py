@@ -52,6 +52,8 @@ TRACE_FIGURES = (
     "group_id",
     "sample_index",
     "role",
+    "purpose",
+    "agent",
     "parent_trace_id",
     "break_reason",
     "call_ids",

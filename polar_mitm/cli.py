@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -16,6 +17,7 @@ from .certs import DEFAULT_CONFDIR, ensure_ca, env_lines
 from .export import FORMATS
 
 console = Console()
+NEMO_GYM = "nemo-gym"
 
 
 def fail(message: str) -> None:
@@ -141,7 +143,7 @@ def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> No
     rollouts (--groups: the groups) as tab-separated lines. Piped, the tables come at their
     full width; on a terminal columns are left out rather than ids cut (--json has them all).
     """
-    from . import captured
+    from . import captured, chaintree
     from .cli_tables import group_listing, rollout_listing
     from .listing import emit
     from .summary import summarize
@@ -152,13 +154,27 @@ def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> No
         if calls.num_rows == 0 and traces.num_rows == 0:
             captured.read(directory, "calls")  # raises the "no shards" error
     result = summarize(calls, traces)
+    trees = _trees(traces)
     if as_json:
-        _echo_json(result.as_dict())
+        _echo_json({**result.as_dict(), "trees": {r: chaintree.tree_lines(t) for r, t in trees}})
         return
     listings = [] if groups_only else [rollout_listing(result, directory)]
     if result.groups and (groups_only or not plain):
         listings.append(group_listing(result))
     emit(listings, plain, console)
+    if plain or groups_only:
+        return
+    for rollout_id, rows in trees:  # long sessions: how their chains hang together
+        if len(rows) > 1:
+            console.print(chaintree.tree(rollout_id, rows))
+
+
+def _trees(traces: Any) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each rollout's trace rows (`captured.read` keeps the latest revision), in written order."""
+    by_rollout: dict[str, list[dict[str, Any]]] = {}
+    for row in traces.to_pylist():
+        by_rollout.setdefault(row["rollout_id"], []).append(row)
+    return list(by_rollout.items())
 
 
 @main.command(short_help="The calls table: tokens, latency, errors.")
@@ -338,10 +354,12 @@ def show(
 @click.option("--all", "include_all", is_flag=True, help="Also untrainable and unfinished traces.")
 @click.option(
     "--role",
+    "--roles",
     "roles",
     multiple=True,
-    type=click.Choice(["main", "sub", "side"]),
-    help="Only traces of this role (repeatable; default: all).",
+    type=click.Choice(["main", "sub", "side", "all"]),
+    help="Only traces of this role (repeatable; default: all, for nemo-gym: main; "
+    "'all' for every role).",
 )
 @TOKENIZER
 @click.option(
@@ -376,6 +394,11 @@ def export(
     from .export import export as write_export
     from .tokens import resolve
 
+    if not roles and fmt == NEMO_GYM:
+        # NeMo RL takes one result per rollout: the main agent's chains; sub-agents' and side
+        # chains (compaction summaries, titles) are left out and counted unless asked for.
+        roles = ("main",)
+    roles = () if "all" in roles else roles
     with _user_errors():
         traces = captured.read(directory, "traces").to_pylist()
         kept, skipped = select(traces, include_all, roles)
@@ -405,7 +428,8 @@ def export(
         f"{result.policy_tokens} policy tokens, to {out}"
     )
     for why, n in skipped.items():
-        click.echo(f"left out {n} trace(s): {why}", file=err)
+        hint = " (--role to include)" if why.startswith("role ") else ""
+        click.echo(f"left out {n} trace(s): {why}{hint}", file=err)
     if result.without_reward:
         click.echo(
             f"warning: {result.without_reward} record(s) have no reward "

@@ -88,6 +88,7 @@ class Rollout:
                 facts=facts,
                 purpose=record.purpose,
                 request_json=record.request_json,
+                agent=record.agent,
             )
         except ValueError as e:
             self.unmerged.append((record.call_id, f"no token ids (unusable: {e})"))

@@ -21,6 +21,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from . import chaintree
 from .summary import checked_with_tokenizer
 from .traceview import Segment, segments
 
@@ -128,6 +129,9 @@ def header(
         ("role", trace.get("role") or "-"),
         ("break", trace.get("break_reason") or "-"),
     ]
+    for key in ("purpose", "agent"):  # what started the chain, which agent's it is
+        if trace.get(key) and trace[key] != "main":
+            rows.append((key, trace[key]))
     if trace.get("parent_trace_id"):
         rows.append(
             (
@@ -181,6 +185,7 @@ def header(
                 str(t.get("num_policy_tokens")),
             )
         parts.append(table)
+        parts.append(chaintree.tree(trace["rollout_id"], others, mark=trace["trace_id"]))
     return Group(*parts)
 
 

@@ -108,6 +108,8 @@ class Chain:
         "hashes",
         "last_request",
         "_view",
+        "purpose",
+        "agent",
     )
 
     def __init__(
@@ -118,6 +120,8 @@ class Chain:
         prefix_len: int,
         break_reason: str,
         break_detail: dict[str, Any] | None,
+        purpose: str = "main",
+        agent: str | None = None,
     ) -> None:
         self.trace_id = trace_id
         self.role = role  # main | sub | side
@@ -134,6 +138,8 @@ class Chain:
         self.hashes: list[int] = []  # hash of the prefix of (i + 1) * BLOCK tokens
         self.last_request: str | None = None  # request JSON of the last call (for breaks)
         self._view: Parsed = None  # last_request parsed; set again with it by Merger._append
+        self.purpose = purpose  # of the call that started the chain (main, compaction, title...)
+        self.agent = agent  # the harness's name for the agent whose calls these are, if it has one
 
     def request_view(self) -> RequestView | None:
         """`last_request` parsed (once: a harness's request is often megabytes of JSON, and
@@ -229,23 +235,32 @@ class Merger:
         facts: CallFacts | None = None,
         purpose: str | None = "main",
         request_json: str | None = None,
+        agent: str | None = None,
     ) -> Placement:
-        """Place one finished call; raises ValueError for ids that are not int32."""
+        """Place one finished call; raises ValueError for ids that are not int32.
+
+        `agent` is the harness's name for the agent that made the call (Codex names each of its
+        agents): a call joins only its own agent's chains, and breaks off its own agent's chain
+        when it has one; a call of a new agent starts a ``sub`` chain."""
         facts = facts or CallFacts(call_id=self.new_id())
         p = _as_ids(prompt)
         out = _as_ids(output)
         side = is_side(purpose)
         if not side:
-            chain = self._joinable(p)
+            chain = self._joinable(p, agent)
             if chain is not None:
                 start = len(chain)
                 self._unindex_end(chain)
                 self._append(chain, p, start, out, logprobs, facts, request_json)
                 return Placement(chain.trace_id, True, None, None, start, len(p) - start, len(out))
         parent, lcp, hashes = self._longest_common(p, joinable=not side)
+        if agent is not None and parent is not None and parent.agent != agent and not side:
+            own = [c for c in self.chains if c.role != "side" and c.agent == agent]
+            if own:  # its own agent's chain is the parent, even when another shares more
+                parent, lcp = self._best(p, own, 0)
         has_chains = any(c.role != "side" for c in self.chains)
         evidence, diverged_call, parsed = self._evidence(
-            parent, lcp, p, purpose, has_chains, request_json
+            parent, lcp, p, purpose, has_chains, request_json, agent
         )
         reason = classify_break(evidence)
         if reason == FIRST_CALL:
@@ -261,9 +276,11 @@ class Merger:
                 "system_changed": evidence.system_changed,
                 "tools_changed": evidence.tools_changed,
                 "history": evidence.history,
+                "compacted": evidence.compacted,
+                "agent_changed": evidence.agent_changed,
             }
         role = _role(reason, parent)
-        chain = Chain(self.new_id(), role, parent, lcp, reason, detail)
+        chain = Chain(self.new_id(), role, parent, lcp, reason, detail, purpose or "main", agent)
         chain.hashes = hashes[: len(p) // BLOCK]
         for h in chain.hashes:
             self._blocks_all.setdefault(h, []).append(chain)
@@ -284,15 +301,15 @@ class Merger:
 
     # -- joining --------------------------------------------------------------------------------
 
-    def _joinable(self, p: array) -> Chain | None:
-        """The longest non-side chain whose whole sequence starts `p`."""
+    def _joinable(self, p: array, agent: str | None = None) -> Chain | None:
+        """The longest non-side chain of `agent` whose whole sequence starts `p`."""
         n = len(p)
         for length in sorted(self._end_lengths, reverse=True):
             if length > n:
                 continue
             key = (length, p[max(0, length - TAIL) : length].tobytes())
             for chain in reversed(self._ends.get(key, ())):
-                if _equal(p, chain.tokens, 0, length):
+                if chain.agent == agent and _equal(p, chain.tokens, 0, length):
                     return chain
         return None
 
@@ -404,6 +421,7 @@ class Merger:
         purpose: str | None,
         has_chains: bool,
         request_json: str | None,
+        agent: str | None = None,
     ) -> tuple[BreakEvidence, str | None, Parsed]:
         """The break's evidence, the call it diverged in, and this call's request if parsed."""
         if parent is None:
@@ -437,6 +455,10 @@ class Merger:
             )
             if both
             else None,
+            compacted=(mine.summaries > theirs.summaries) if both else None,
+            agent_changed=(
+                agent != parent.agent if agent is not None and parent.agent is not None else None
+            ),
         )
         return evidence, diverged_call, parsed
 
@@ -553,6 +575,8 @@ def trace_row(
         "sample_index": meta.sample_index,
         "proxy_id": meta.proxy_id,
         "role": chain.role,
+        "purpose": chain.purpose,
+        "agent": chain.agent,
         "parent_trace_id": chain.parent.trace_id if chain.parent else None,
         "parent_prefix_len": chain.prefix_len,
         "break_reason": chain.break_reason,

@@ -634,9 +634,12 @@ def test_export_verl_npz_has_the_batch_keys_and_dtypes(data, truth, tmp_path):
 def test_export_nemo_gym_reads_back_as_responses(data, truth, tmp_path):
     from openai.types.responses import Response
 
-    out, _ = exported(data, tmp_path, "nemo-gym")
+    out, output = exported(data, tmp_path, "nemo-gym")
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    want = {t["trace_id"]: t for t in default_selection(truth)}
+    # NeMo RL takes the main agent's chains; the sub-agent's is left out, and said so
+    selected = default_selection(truth)
+    want = {t["trace_id"]: t for t in selected if t["role"] == "main"}
+    assert len(want) < len(selected) and "role sub (--role to include)" in output
     total = 0
     for line in lines:
         Response.model_validate(line["response"])  # Gym's NeMoGymResponse is this + token fields

@@ -72,7 +72,7 @@ def call(call_id: str, name: str, arguments: str) -> dict:
         ("POST", "/v1/chat/completions", "openai_chat"),
         ("GET", "/v1/responses", None),
         ("POST", "/v1/threads/abc/messages", None),  # OpenAI's Assistants API, not Anthropic
-        ("POST", "/v1/responses/compact", None),
+        ("POST", "/v1/responses/compact", "openai_responses"),  # compaction (docs/dialects.md)
     ],
 )
 def test_detect(method, path, name):

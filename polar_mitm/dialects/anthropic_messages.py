@@ -39,6 +39,7 @@ import json
 import re
 from typing import Any
 
+from .. import compaction
 from ..assemble import ToolCallParts, reply_to_chunks
 from ..sse import encode_json
 from ..usage import anthropic_usage, counts
@@ -194,13 +195,35 @@ def error_type(status: int, kind: str) -> str:
 
 def _purpose(data: dict[str, Any], system: str) -> str:
     """`main`, or for a tool-less call of Claude Code (its side calls carry no tools, its main
-    loop and sub-agents always do) what it is for: `title`, `summary` or `side`."""
+    loop and sub-agents always do) what it is for: `title`, `summary` or `side`; Claude Code's
+    own compaction (tools or not) is `compaction` (compaction.py)."""
+    if compaction.is_claude_compaction(_last_user_text(data.get("messages"))):
+        return compaction.PURPOSE
     if data.get("tools") or not _is_claude_code(data, system):
         return "main"
     for purpose, hint in _SIDE_HINTS:
         if hint.search(system):
             return purpose
     return "side"
+
+
+def _last_user_text(messages: Any) -> str:
+    """The text of the last user message (its text blocks, joined)."""
+    if not isinstance(messages, list):
+        return ""
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "\n".join(
+                    b["text"]
+                    for b in content
+                    if isinstance(b, dict) and isinstance(b.get("text"), str)
+                )
+            return ""
+    return ""
 
 
 def _is_claude_code(data: dict[str, Any], system: str) -> bool:

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import compaction
 from ..assemble import ToolCallParts, reply_to_chunks
 from ..sse import encode_json
 from ..usage import counts, responses_usage
@@ -85,6 +86,8 @@ _CUSTOM_INPUT_SCHEMA = {
     "required": ["input"],
     "additionalProperties": False,
 }
+# The endpoint older Codex clients compact with (a JSON reply, not a stream).
+COMPACT_PATH = "/responses/compact"
 _CONTEXT_TOO_LONG = re.compile(r"maximum context length|context length|too many tokens", re.I)
 
 
@@ -238,7 +241,7 @@ class OpenAIResponses(Dialect):
     name = "openai_responses"
 
     def matches(self, method: str, path: str) -> bool:
-        return method == "POST" and path.endswith("/responses")
+        return method == "POST" and (path.endswith("/responses") or path.endswith(COMPACT_PATH))
 
     def parse(self, body: bytes, path: str) -> HarnessRequest:
         data = load_json_object(body)
@@ -251,7 +254,8 @@ class OpenAIResponses(Dialect):
         if data.get("background"):
             raise DialectError("'background' responses are not supported")
         model = optional(data, "model", str, "a string") or ""
-        stream = bool(optional(data, "stream", bool, "a boolean"))
+        compact_endpoint = path.endswith(COMPACT_PATH)  # answered with one JSON body
+        stream = bool(optional(data, "stream", bool, "a boolean")) and not compact_endpoint
         tools = _Tools()
         tools.add_all(data.get("tools") or [], "tools")
         builder = ChatBuilder()
@@ -259,13 +263,21 @@ class OpenAIResponses(Dialect):
         if instructions:
             builder.system(instructions)
         items = data.get("input")
+        compacting = compact_endpoint
         if isinstance(items, str):
             builder.user(items)
         elif isinstance(items, list):
             for i, item in enumerate(items):
+                if compaction.is_trigger(item):
+                    if i != len(items) - 1:
+                        raise DialectError(f"input[{i}]: compaction_trigger must be the last item")
+                    compacting = True
+                    continue
                 _add_item(builder, tools, item, f"input[{i}]")
         else:
             raise DialectError("'input' is required: a string or a list of items")
+        if compacting:  # the policy writes the summary (polar_mitm/compaction.py)
+            builder.user(compaction.INSTRUCTION)
         messages = builder.result()
         if not messages:
             raise DialectError("'input' must hold at least one message")
@@ -306,18 +318,20 @@ class OpenAIResponses(Dialect):
             chat=chat,
             wants_logprobs="message.output_text.logprobs" in include,
             top_logprobs=top,
+            purpose=compaction.PURPOSE if compacting else "main",
             extra={
                 "tools": tools.refs,
                 "seal": "reasoning.encrypted_content" in include,
+                "compaction": "endpoint" if compact_endpoint else "trigger" if compacting else None,
             },
             notes=tools.notes,
         )
 
     def reply(self, req: HarnessRequest, chat_reply: dict[str, Any]) -> dict[str, Any]:
-        return _ResponsesStream(req, live=False).run(reply_to_chunks(chat_reply))
+        return _translator(req, live=False).run(reply_to_chunks(chat_reply))
 
     def stream(self, req: HarnessRequest) -> _ResponsesStream:
-        return _ResponsesStream(req)
+        return _translator(req)
 
     def error_body(self, status: int, message: str, kind: str) -> dict[str, Any]:
         return {
@@ -380,6 +394,13 @@ def _add_item(builder: ChatBuilder, tools: _Tools, item: Any, where: str) -> Non
         builder.tool_result(call_id, _parts(item.get("output"), f"{where}.output"))
     elif kind == "additional_tools":
         tools.add_all(item.get("tools"), f"{where}.tools")
+    elif kind == "agent_message":  # Codex multi-agent: a task or an answer from another agent
+        builder.user(_agent_message(item, where))
+    elif compaction.is_summary_item(item):
+        try:
+            builder.user(compaction.summary_message(unseal(item.get("encrypted_content"))))
+        except compaction.CompactionError as e:
+            raise DialectError(f"{where}: {e}") from None
     elif kind == "item_reference":
         raise DialectError(
             f"{where}: item_reference needs stored responses, which polar-mitm does not keep; "
@@ -390,6 +411,28 @@ def _add_item(builder: ChatBuilder, tools: _Tools, item: Any, where: str) -> Non
             f"{where}: input item type {kind!r} is not supported by polar-mitm "
             "(it has no chat-completions form for the policy)"
         )
+
+
+def _agent_message(item: dict[str, Any], where: str) -> str:
+    """The text of a Codex `agent_message` (`author` -> `recipient`), as the user turn it is for
+    the policy. Its payload part is `encrypted_content` because the real API encrypts the
+    `message` argument of `spawn_agent`; behind polar-mitm the policy wrote that argument, so the
+    value is its own text (or our sealed form of it) and is shown as it is."""
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise DialectError(f"{where}.content must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise DialectError(f"{where}.content[{j}] must be an object")
+        if part.get("type") == "encrypted_content":
+            value = part.get("encrypted_content")
+            texts.append(unseal(value) or (value if isinstance(value, str) else ""))
+        else:
+            texts.append(_text_only([part], f"{where}.content"))
+    return "".join(texts)
 
 
 def _tool_choice(choice: Any, tools: _Tools) -> Any:
@@ -752,3 +795,96 @@ def _base_response(req: HarnessRequest) -> dict[str, Any]:
         "user": None,
         "metadata": data.get("metadata") or {},
     }
+
+
+class _CompactionStream(_ResponsesStream):
+    """The reply to a compaction request: exactly one `compaction` item holding the summary.
+
+    The policy's text is the summary; it is not streamed as text (the harness expects only the
+    item) but sealed into the item's `encrypted_content` when the reply ends. Its thinking and
+    any tool call it makes anyway are policy tokens in the call's record, but no part of the
+    summary: the harness could not run a tool from a compaction reply. `/responses/compact` gets
+    the same item in a `response.compaction` object, after the user messages it keeps."""
+
+    def __init__(self, req: HarnessRequest, live: bool = True) -> None:
+        super().__init__(req, live)
+        self.summary: list[str] = []
+        self.opened = False
+
+    def _open_compaction(self) -> None:
+        if not self.opened:
+            self.opened = True
+            self._open({"id": new_id("cmp_"), "type": "compaction"})
+            self.on_item("response.compaction.compacting")
+
+    def on_open_reasoning(self) -> None:
+        pass
+
+    def on_reasoning(self, text: str) -> None:
+        pass
+
+    def on_close_reasoning(self) -> None:
+        pass
+
+    def on_open_text(self) -> None:
+        self._open_compaction()
+
+    def on_text(self, text: str, logprobs: Any) -> None:
+        self.summary.append(text)
+
+    def on_close_text(self) -> None:
+        pass
+
+    def on_open_tool(self, tool: ToolCallParts) -> None:
+        pass
+
+    def on_tool_arguments(self, tool: ToolCallParts, delta: str) -> None:
+        pass
+
+    def on_close_tool(self, tool: ToolCallParts) -> None:
+        pass
+
+    def on_end(self) -> None:
+        self._open_compaction()
+        item = self.item
+        item["encrypted_content"] = seal("".join(self.summary).strip())
+        self._done(item)
+        super().on_end()
+
+    def final(self) -> dict[str, Any]:
+        if self.req.extra.get("compaction") != "endpoint":
+            return self.response
+        kept = [
+            _output_message(item)
+            for item in self.req.body.get("input") or ()
+            if isinstance(item, dict)
+            and item.get("type", "message") == "message"
+            and item.get("role") == "user"
+        ]
+        return {
+            "id": self.response["id"],
+            "object": "response.compaction",
+            "created_at": self.response["created_at"],
+            "output": [*kept, *self.output],
+            "usage": self.response["usage"],
+        }
+
+
+def _output_message(item: dict[str, Any]) -> dict[str, Any]:
+    """A user message of the input as an output item (what `/responses/compact` returns)."""
+    content = item.get("content")
+    if isinstance(content, str):
+        content = [{"type": "input_text", "text": content}]
+    return {
+        "id": item.get("id") or new_id("msg_"),
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": content,
+    }
+
+
+def _translator(req: HarnessRequest, live: bool = True) -> _ResponsesStream:
+    if req.extra.get("compaction"):
+        return _CompactionStream(req, live)
+    return _ResponsesStream(req, live)

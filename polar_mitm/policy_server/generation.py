@@ -74,8 +74,13 @@ def pick_turn(scenario: Scenario, call: ChatCall) -> tuple[str, Turn]:
     messages = call.render.messages
     system, first_user = _system_and_first_user(messages)
     assistant_turns = sum(1 for m in messages if m["role"] == "assistant")
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    last_user = users[-1] if users else ""
+    every = "\n".join(str(m.get("content") or "") for m in messages)
     try:
-        script, turn = scenario.turn(system, first_user, _tool_names(call), assistant_turns)
+        script, turn = scenario.turn(
+            system, first_user, _tool_names(call), assistant_turns, last_user, every
+        )
     except LookupError as e:
         raise RequestError(str(e)) from None
     return script.name, turn

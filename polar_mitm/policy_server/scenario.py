@@ -5,14 +5,17 @@ A scenario is JSON::
     {"model": "Qwen/Qwen3-4B",
      "scripts": [
        {"name": "main",
-        "match": {"system_contains": "...", "user_contains": "...", "tools_include": "run_shell"},
+        "match": {"system_contains": "...", "user_contains": "...", "tools_include": "run_shell",
+                  "last_user_contains": "...", "text_contains": "..."},
         "turns": [{"reasoning": "...", "content": "...",
                    "tool_calls": [{"name": "run_shell", "arguments": {"cmd": "ls"}}]},
                   {"content": "done"}]}]}
 
 The server is stateless on purpose: the script is chosen from the request itself (first script whose
 ``match`` keys all hold; a script without ``match`` matches anything) and the turn index is the number
-of assistant messages already in the request. Concurrent rollouts therefore never interfere, and a
+of assistant messages already in the request. ``user_contains`` looks at the first user message,
+``last_user_contains`` at the last one, ``text_contains`` at every message (what tells a long
+session's steps apart once a compaction has replaced its history). Concurrent rollouts therefore never interfere, and a
 retried request gets the same answer.
 
 Per-turn knobs: ``hold_last`` (send every chunk before the one with ``finish_reason``, then wait for
@@ -42,7 +45,13 @@ _TURN_KEYS = {
     "finish_reason",
     "fault",
 }
-_MATCH_KEYS = {"system_contains", "user_contains", "tools_include"}
+_MATCH_KEYS = {
+    "system_contains",
+    "user_contains",
+    "tools_include",
+    "last_user_contains",
+    "text_contains",
+}
 
 
 class ScenarioError(ValueError):
@@ -78,11 +87,24 @@ class Match:
     system_contains: str | None = None
     user_contains: str | None = None
     tools_include: str | None = None
+    last_user_contains: str | None = None
+    text_contains: str | None = None
 
-    def holds(self, system_text: str, first_user_text: str, tool_names: Sequence[str]) -> bool:
+    def holds(
+        self,
+        system_text: str,
+        first_user_text: str,
+        tool_names: Sequence[str],
+        last_user_text: str = "",
+        all_text: str = "",
+    ) -> bool:
         if self.system_contains is not None and self.system_contains not in system_text:
             return False
         if self.user_contains is not None and self.user_contains not in first_user_text:
+            return False
+        if self.last_user_contains is not None and self.last_user_contains not in last_user_text:
+            return False
+        if self.text_contains is not None and self.text_contains not in all_text:
             return False
         return self.tools_include is None or self.tools_include in tool_names
 
@@ -100,10 +122,19 @@ class Scenario:
     scripts: tuple[Script, ...]
     source: str = "<memory>"
 
-    def select(self, system_text: str, first_user_text: str, tool_names: Sequence[str]) -> Script:
+    def select(
+        self,
+        system_text: str,
+        first_user_text: str,
+        tool_names: Sequence[str],
+        last_user_text: str = "",
+        all_text: str = "",
+    ) -> Script:
         """First script whose match holds; scripts without ``match`` are defaults."""
         for script in self.scripts:
-            if script.match is None or script.match.holds(system_text, first_user_text, tool_names):
+            if script.match is None or script.match.holds(
+                system_text, first_user_text, tool_names, last_user_text, all_text
+            ):
                 return script
         raise LookupError(f"no script in {self.source} matches this request")
 
@@ -113,9 +144,11 @@ class Scenario:
         first_user_text: str,
         tool_names: Sequence[str],
         assistant_turns: int,
+        last_user_text: str = "",
+        all_text: str = "",
     ) -> tuple[Script, Turn]:
         """The script and turn for a request that already holds ``assistant_turns`` assistant messages."""
-        script = self.select(system_text, first_user_text, tool_names)
+        script = self.select(system_text, first_user_text, tool_names, last_user_text, all_text)
         if assistant_turns < len(script.turns):
             return script, script.turns[assistant_turns]
         return script, Turn(content=PAST_END_TEXT)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pyarrow as pa
 
 # 2: prompt ids and request_json as a reference to the call they extend plus what is new
-# (store/delta.py);
-# schema-1 shards (whole prompts and requests) read the same; `polar-mitm migrate` rewrites them.
+# (store/delta.py), and the lineage columns calls.agent, traces.purpose, traces.agent (nullable);
+# schema-1 shards (whole prompts and requests, no lineage columns: read as null) read the same;
+# `polar-mitm migrate` rewrites them.
 SCHEMA_VERSION = 2
 
 _TS = pa.timestamp("us", tz="UTC")
@@ -26,6 +27,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("group_id", pa.string()),
         pa.field("sample_index", pa.int32()),
         pa.field("session_id", pa.string()),
+        pa.field("agent", pa.string()),  # the harness's name for the calling agent (lineage.py)
         pa.field("proxy_id", pa.string()),
         pa.field("started_at", _TS),
         pa.field("first_byte_at", _TS),
@@ -82,6 +84,8 @@ TRACES_SCHEMA = pa.schema(
         pa.field("sample_index", pa.int32()),
         pa.field("proxy_id", pa.string()),
         pa.field("role", pa.string()),  # main | sub | side
+        pa.field("purpose", pa.string()),  # of its first call: main | compaction | title | ...
+        pa.field("agent", pa.string()),  # the harness's agent name (Codex: /root, ...) if any
         pa.field("parent_trace_id", pa.string()),
         pa.field("parent_prefix_len", pa.int32()),
         pa.field("break_reason", pa.string()),

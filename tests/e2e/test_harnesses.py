@@ -34,11 +34,11 @@ from polar_mitm.store import read_table
 
 from ..clients import grep_bytes
 from ..procs import BIN
-from .harnesses import FILE_NAME, FILE_TEXT, FINAL_TEXT, HARNESSES, run_harness
+from .harnesses import FILE_NAME, FILE_TEXT, FINAL_TEXT, HARNESSES, PROMPT, run_harness
 
 SCENARIO = Path(__file__).parent / "scenarios" / "harnesses.json"
 WIRE_CAPTURE = Path(__file__).parent / "wire_capture.py"
-LLM_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/messages"}
+LLM_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/responses/compact", "/v1/messages"}
 POLAR_HOSTS = set(DEFAULT_HOSTS.split(","))
 
 # How each harness is identified: Codex sends no API key (DESIGN.md), so its rollout id comes
@@ -141,12 +141,59 @@ def served_requests(server_url: str, upstream_chat: list[dict]) -> list[dict]:
     return served
 
 
+def assert_exact_calls(
+    seen: Observed,
+    server,
+    llm: list[dict],
+    upstream_chat: list[dict],
+    rollout: str,
+    source: str,
+) -> tuple[int, list[str]]:
+    """`calls/` has one completed row per LLM request, in order, whose ids are exactly what the
+    server produces for the body it was sent; (calls retried without the cap, their notes)."""
+    served = served_requests(server.url, upstream_chat)
+    assert len(seen.calls) == len(llm) == len(served), (seen.calls, llm)
+    retried = len(upstream_chat) - len(served)
+    notes = [n for row in seen.calls for n in row["translation_notes"] or [] if "dropped" in n]
+    assert len([n for n in notes if "exceeds the model's context" in n]) == retried, notes
+    for row, sent, asked in zip(seen.calls, llm, served, strict=True):
+        assert row["status"] == "completed", row["error"]
+        assert row["rollout_id"] == rollout and row["rollout_source"] == source
+        assert row["host"] == sent["host"] and row["path"] == sent["path"].partition("?")[0]
+        assert row["model_served"] == "Qwen/Qwen3-4B"
+        assert row["model_requested"] == sent["body"]["model"]
+        want = asked["answer"]
+        assert row["prompt_token_ids"] == want["prompt_token_ids"]
+        assert row["output_token_ids"] == want["choices"][0]["token_ids"]
+        lps = [e["logprob"] for e in want["choices"][0]["logprobs"]["content"]]
+        assert row["output_logprobs"] == pytest.approx(lps, abs=1e-6)
+        assert row["ids_source"] == "upstream" and row["count_check"] == "ok"
+        assert row["trainable"] is True
+    return retried, notes
+
+
 def run_through_proxy(
-    name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, server_args=()
+    name,
+    harness_bin,
+    netns,
+    tmp_path,
+    confdir,
+    make_policy_server,
+    make_mitm,
+    server_args: tuple[str, ...] = (),
+    *,
+    scenario: Path = SCENARIO,
+    harness=None,
+    prompt: str = PROMPT,
+    timeout: float = 180.0,
+    end_by: str | None = None,
 ):
-    harness = HARNESSES[name]
+    """Run one harness through the proxy against `scenario`; what everyone saw. The keywords
+    are for the long-session tests (test_long_sessions.py): another script, prompt or config;
+    `server_args` go to the reference server (e.g. its --max-model-len)."""
+    harness = harness or HARNESSES[name]
     rollout, source = ROLLOUTS[name]
-    server = make_policy_server(SCENARIO, *server_args)
+    server = make_policy_server(scenario, *server_args)
     wire_log = tmp_path / "wire.jsonl"
     mitm = make_mitm(
         server.url,
@@ -158,11 +205,18 @@ def run_through_proxy(
     )
     env_lines = polar_env(mitm.url, confdir, rollout if source == "proxy_auth" else None)
     result = run_harness(
-        harness, harness_bin, tmp_path, env_lines, f"polar-{rollout}", wrap=netns.wrap
+        harness,
+        harness_bin,
+        tmp_path,
+        env_lines,
+        f"polar-{rollout}",
+        wrap=netns.wrap,
+        prompt=prompt,
+        timeout=timeout,
     )
     upstream = httpx.get(server.url + "/_polar/requests", timeout=10).json()
     ended = None
-    if ENDED_BY[name] == "control" and result.returncode == 0:
+    if (end_by or ENDED_BY[name]) == "control" and result.returncode == 0:
         # The trainer's side: the harness is done, the workdir scored, the rollout ended.
         ended = ControlClient(CONTROL_TOKEN, proxy=mitm.url).end(rollout, reward=REWARD)
     assert mitm.stop() == 0, mitm.proc.output()
@@ -217,24 +271,7 @@ def test_real_harness(
     upstream_chat = [u for u in seen.upstream if u["path"] == "/v1/chat/completions"]
 
     # calls/: one row per LLM request, in order, with exact ids.
-    served = served_requests(server.url, upstream_chat)
-    assert len(seen.calls) == len(llm) == len(served), (seen.calls, llm)
-    retried = len(upstream_chat) - len(served)
-    notes = [n for row in seen.calls for n in row["translation_notes"] or [] if "dropped" in n]
-    assert len([n for n in notes if "exceeds the model's context" in n]) == retried, notes
-    for row, sent, asked in zip(seen.calls, llm, served, strict=True):
-        assert row["status"] == "completed", row["error"]
-        assert row["rollout_id"] == rollout and row["rollout_source"] == source
-        assert row["host"] == sent["host"] and row["path"] == sent["path"].partition("?")[0]
-        assert row["model_served"] == "Qwen/Qwen3-4B"
-        assert row["model_requested"] == sent["body"]["model"]
-        want = asked["answer"]
-        assert row["prompt_token_ids"] == want["prompt_token_ids"]
-        assert row["output_token_ids"] == want["choices"][0]["token_ids"]
-        lps = [e["logprob"] for e in want["choices"][0]["logprobs"]["content"]]
-        assert row["output_logprobs"] == pytest.approx(lps, abs=1e-6)
-        assert row["ids_source"] == "upstream" and row["count_check"] == "ok"
-        assert row["trainable"] is True
+    retried, notes = assert_exact_calls(seen, server, llm, upstream_chat, rollout, source)
     assert grep_bytes(seen.output, [f"polar-{rollout}"]) == {}  # the key never reaches disk
 
     # traces/: one main trace of the main calls: prompt (0), turn 1 (1), tool result (0), turn 2 (1).
