@@ -144,10 +144,11 @@ polar_trainer_venv() {
 # one) in a venv of its own, for the NeMo Gym agent and resources server (docs: README "NeMo
 # Gym"): about 1.4 GB with Ray; 4.5 minutes from PyPI on a busy 2-core machine, 13.5 at load
 # 10. This checkout goes on its path with a .pth file (the agent imports polar_mitm's
-# standard-library modules; mitmproxy is not installed there), and DIR/servers/<type>/<name>/.venv link back to DIR, so that Gym, with
+# standard-library modules and the control client, which needs msgspec; mitmproxy is not
+# installed there), and DIR/servers/<type>/<name>/.venv link back to DIR, so that Gym, with
 # `skip_venv_if_present: true` and `uv_venv_dir: DIR/servers`, uses it instead of building a venv
 # per server with uv from the network.
-POLAR_GYM_REQS="nemo-gym==0.4.0"
+POLAR_GYM_REQS="nemo-gym==0.4.0 msgspec>=0.18"
 POLAR_GYM_SERVERS="responses_api_agents/polar_mitm_agent resources_servers/polar_coding"
 
 polar_gym_venv() {
