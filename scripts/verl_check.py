@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +190,7 @@ def run(model: Any, data: Path, polar_mitm: str | None, low: float, high: float)
     b = len(batch)
     mask = batch.batch["response_mask"].bool()
     uid = batch.non_tensor_batch["uid"]
-    sizes = {str(u): int(n) for u, n in zip(*np.unique(uid.astype(str), return_counts=True))}
+    sizes = dict(Counter(str(u) for u in uid.tolist()))
     keys = sorted(batch.batch.keys())
     print(f"verl {version}: DataProto of {b} rows, keys {keys}, groups (uid) {sizes}")
     if "rm_scores" not in set(batch.batch.keys()):
