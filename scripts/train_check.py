@@ -559,11 +559,11 @@ def verl_main(args: argparse.Namespace, gguf: Path) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import verl_check
 
-    verl_check.verl_modules()  # a missing verl fails before the model is loaded
+    batch = verl_check.prepare(args.data, args.polar_mitm)  # bad input fails before the model
     t0 = time.monotonic()
     _, model = load_model(gguf)
     print(f"loaded {gguf.name}: weights dequantized ({time.monotonic() - t0:.1f}s)")
-    report = verl_check.run(model, args.data, args.polar_mitm, RATIO_LOW, RATIO_HIGH)
+    report = verl_check.run(model, batch, RATIO_LOW, RATIO_HIGH)
     failed = verl_check.failures(report, args.min_ratio_in_range, RATIO_LOW, RATIO_HIGH)
     if args.max_mean_delta is not None and report["exact_ids"]["mean"] > args.max_mean_delta:
         failed.append(f"mean |delta| {report['exact_ids']['mean']:.4f} > {args.max_mean_delta}")

@@ -178,26 +178,31 @@ def _stats(a: np.ndarray) -> dict[str, float]:
     }
 
 
-def run(model: Any, data: Path, polar_mitm: str | None, low: float, high: float) -> dict[str, Any]:
-    """Every step above on DATA (a capture directory or a verl .npz); the figures as a dict."""
+def prepare(data: Path, polar_mitm: str | None) -> Any:
+    """The DataProto to train on, checked before any model is loaded (errors come fast)."""
+    DataProto, *_ = verl_modules()
+    with tempfile.TemporaryDirectory() as tmp:
+        batch = load_batch(export_npz(data, polar_mitm, Path(tmp)), DataProto)
+    if "rm_scores" not in set(batch.batch.keys()):
+        raise SystemExit(
+            "error: the export has no rm_scores (some record has no reward): end the rollouts "
+            "with a reward through the control plane, or join rewards with `polar-mitm reward`"
+        )
+    return batch
+
+
+def run(model: Any, batch: Any, low: float, high: float) -> dict[str, Any]:
+    """Every step above on the batch from ``prepare``; the figures as a dict."""
     import torch
 
-    DataProto, core_algos, ActorConfig, version = verl_modules()
+    _, core_algos, ActorConfig, version = verl_modules()
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = export_npz(data, polar_mitm, Path(tmp))
-        batch = load_batch(path, DataProto)
     b = len(batch)
     mask = batch.batch["response_mask"].bool()
     uid = batch.non_tensor_batch["uid"]
     sizes = dict(Counter(str(u) for u in uid.tolist()))
     keys = sorted(batch.batch.keys())
     print(f"verl {version}: DataProto of {b} rows, keys {keys}, groups (uid) {sizes}")
-    if "rm_scores" not in set(batch.batch.keys()):
-        raise SystemExit(
-            "error: the export has no rm_scores (some record has no reward): end the rollouts "
-            "with a reward through the control plane, or join rewards with `polar-mitm reward`"
-        )
     rm_scores = batch.batch["rm_scores"].float()
     adv, _returns = core_algos.compute_grpo_outcome_advantage(
         token_level_rewards=rm_scores, response_mask=batch.batch["response_mask"], index=uid
