@@ -309,11 +309,8 @@ def failures(report: dict[str, Any], min_in_range: float | None, low: float, hig
     gr = report["grad"]
     if gr["non_policy_tokens_nonzero"]:
         out.append(f"gradient on {gr['non_policy_tokens_nonzero']} non-policy token(s)")
-    if (
-        gr["policy_tokens_nonzero"]
-        < report["policy_tokens"] - gr["policy_tokens_clipped_or_zero_advantage"]
-    ):
-        out.append("no gradient on some unclipped policy token with a non-zero advantage")
+    if gr["policy_tokens_nonzero"] != report["policy_tokens"] - gr["policy_tokens_flat_by_design"]:
+        out.append("the gradient is 0 on a policy token where the loss depends on it")
     for g, c in report["groups"].items():
         if c["max_change_when_other_groups_move"] != 0:
             out.append(f"group {g!r}'s advantages move with other groups' rewards")

@@ -638,7 +638,7 @@ def test_trainer_check_on_the_quantized_engine(real_server, make_mitm, tmp_path)
 # two GRPO groups of 4 with rewards far apart: a baseline shared across groups would show
 VERL_GROUPS = {
     "tips": (GROUP_TURNS, [0.0, 1.0, 2.0, 4.0]),
-    "fact": (["Name one planet."], [10.0, 20.0, 30.0, 60.0]),
+    "fact": (["Name one planet."], [10.0, 20.0, 35.0, 60.0]),  # no reward at the mean: A != 0
 }
 
 
