@@ -241,13 +241,15 @@ def run(model: Any, batch: Any, low: float, high: float) -> dict[str, Any]:
     ratio = torch.exp(log_prob.detach() - old)
     attn_r = batch.batch["attention_mask"][:, batch.batch["prompts"].shape[1] :].bool()
     clipped = mask & ((ratio < 1 - config.clip_ratio_low) | (ratio > 1 + config.clip_ratio_high))
-    # where PPO's clipped term is the active one (or dual-clip's constant, or A = 0) the token's
+    # where PPO's clipped term is the active one (or dual-clip's constant, A = 0, or verl's clamp
+    # of the log-ratio) the token's
     # gradient is 0 by design; everywhere else on the mask it must not be
     flat = (
         ((adv > 0) & (ratio > 1 + config.clip_ratio_high))
         | ((adv < 0) & (ratio < 1 - config.clip_ratio_low))
         | ((adv < 0) & (ratio > config.clip_ratio_c))
         | (adv == 0)
+        | ((log_prob.detach() - old).abs() > 20)  # verl clamps the log-ratio to [-20, 20]
     )
     r = ratio[mask].numpy().astype(np.float64)
     delta = (log_prob.detach() - old)[mask].abs().numpy().astype(np.float64)
