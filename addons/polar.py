@@ -10,6 +10,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from polar_mitm.addon import polar_addons  # noqa: E402
+from polar_mitm.addons.polar import polar_addons  # noqa: E402
 
 addons = [*polar_addons()]

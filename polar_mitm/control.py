@@ -44,10 +44,10 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from aiohttp import web
 
-from .rollouts import RolloutError, Rollouts
+from .trajectory.rollouts import RolloutError, Rollouts
 
 if TYPE_CHECKING:  # metrics.py imports prometheus_client: only when a proxy serves /metrics
-    from .capture import CallRecord  # (and capture.py msgspec: not in NeMo Gym's venv)
+    from .call.record import CallRecord  # (and call/record.py msgspec: not in NeMo Gym's venv)
     from .metrics import MetricsAddon
 
 log = logging.getLogger(__name__)

@@ -31,15 +31,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from .capture import CallRecord
-from .fidelity_report import harness_of_agent
-from .summary import checked_with_tokenizer
+from .call.record import CallRecord
+from .cli.fidelity_report import harness_of_agent
+from .cli.summary import checked_with_tokenizer
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ADDED_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-# an upstream failure's kind, from the one-line error the call records (exchange.py's wording)
+# an upstream failure's kind, from the one-line error the call records (call/exchange.py's wording)
 _UPSTREAM_ERRORS = (
     (re.compile(r"returned HTTP (4\d\d)"), "http_4xx"),
     (re.compile(r"returned HTTP (5\d\d)"), "http_5xx"),

@@ -30,7 +30,7 @@ from array import array
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from polar_mitm.trajectory import Merger  # noqa: E402
+from polar_mitm.trajectory.merge import Merger  # noqa: E402
 
 # CPU time of this thread: the figures hold on a shared machine (time spent descheduled is not
 # the merge's). The merge does no I/O, so its CPU time is its cost.

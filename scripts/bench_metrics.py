@@ -9,7 +9,7 @@ import json
 import timeit
 from types import SimpleNamespace
 
-from polar_mitm.capture import CallRecord
+from polar_mitm.call.record import CallRecord
 from polar_mitm.control import ControlState
 from polar_mitm.metrics import ProxyMetrics
 

@@ -323,7 +323,7 @@ def test_startup_option_errors(tmp_path, confdir, options, needle):
 def test_env_command(confdir):
     from click.testing import CliRunner
 
-    from polar_mitm.cli import main
+    from polar_mitm.cli.app import main
 
     result = CliRunner().invoke(
         main,

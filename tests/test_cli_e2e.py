@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from polar_mitm.assets import qwen3_tokenizer_dir
-from polar_mitm.cli import main
-from polar_mitm.show import render
+from polar_mitm.cli.app import main
+from polar_mitm.cli.show import render
+from polar_mitm.cli.token_text import resolve, token_pieces
 from polar_mitm.store import list_shards, read_table
-from polar_mitm.tokens import resolve, token_pieces
-from polar_mitm.traceview import segments
+from polar_mitm.trajectory.traceview import segments
 
 from .ansi import cells
 from .capture_session import LIVE_REWARDS, produce

@@ -14,15 +14,21 @@ import pyarrow as pa
 import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir, qwen_tiktoken_file
+from polar_mitm.cli.rewards import RewardFileError, parse_rewards, plan
+from polar_mitm.cli.summary import summarize
+from polar_mitm.cli.token_text import resolve, token_pieces
 from polar_mitm.export import FORMATS, ExportOptions, build_records, select
 from polar_mitm.export.nemo_gym import result
 from polar_mitm.export.slime import sample
 from polar_mitm.export.verl import arrays
-from polar_mitm.rewards import RewardFileError, parse_rewards, plan
 from polar_mitm.store import CALLS_SCHEMA, TRACES_SCHEMA
-from polar_mitm.summary import summarize
-from polar_mitm.tokens import resolve, token_pieces
-from polar_mitm.traceview import TraceShapeError, main_trace, mask_runs, pick_trace, segments
+from polar_mitm.trajectory.traceview import (
+    TraceShapeError,
+    main_trace,
+    mask_runs,
+    pick_trace,
+    segments,
+)
 
 TEXT = "<|im_start|>user\nünïcödé ✓ — 日本語 🎉 done\n<think>\n"
 

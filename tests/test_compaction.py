@@ -7,12 +7,11 @@ import json
 
 import pytest
 
-from polar_mitm import compaction
-from polar_mitm.assemble import reply_to_chunks
-from polar_mitm.dialects import DialectError, by_name, detect
-from polar_mitm.lineage import agent_of
-from polar_mitm.sse import SSEParser
-from polar_mitm.trajectory import Merger
+from polar_mitm.call.sse import SSEParser
+from polar_mitm.dialects import DialectError, by_name, compaction, detect
+from polar_mitm.dialects.assemble import reply_to_chunks
+from polar_mitm.trajectory.lineage import agent_of
+from polar_mitm.trajectory.merge import Merger
 
 RESPONSES = by_name("openai_responses")
 EOT = 99
@@ -208,7 +207,7 @@ def test_a_codex_agent_message_is_a_user_turn_with_its_payload():
 
 
 def test_the_chain_tree_is_depth_first_under_each_parent():
-    from polar_mitm.chaintree import label, tree_lines
+    from polar_mitm.cli.chaintree import label, tree_lines
 
     rows = [
         {"trace_id": "m1", "role": "main", "break_reason": "first_call", "call_ids": ["a"]},

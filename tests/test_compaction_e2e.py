@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polar_mitm import compaction
 from polar_mitm.control import ControlClient
+from polar_mitm.dialects import compaction
 from polar_mitm.store import read_table
 
 from .clients import RUN_SHELL, TOOL_OUTPUTS, openai_client

@@ -8,9 +8,9 @@ from array import array
 
 import pytest
 
-from polar_mitm.capture import CallRecord
+from polar_mitm.call.record import CallRecord
 from polar_mitm.control import ControlAPI, ControlClient, ControlState, encode, parse_listen
-from polar_mitm.rollouts import RolloutError, Rollouts
+from polar_mitm.trajectory.rollouts import RolloutError, Rollouts
 
 TOKEN = "t0ken-for-tests"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -25,7 +25,7 @@ class Clock:
 
 
 def record(rollout: str, prompt: list[int], output: list[int], **kw) -> CallRecord:
-    from polar_mitm.identity import split_group
+    from polar_mitm.call.identity import split_group
 
     group, sample = split_group(rollout)
     r = CallRecord(rollout_id=rollout, group_id=group, sample_index=sample, **kw)

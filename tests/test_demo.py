@@ -34,7 +34,7 @@ def test_demo_prints_a_summary_of_three_calls(tmp_path, session):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "== captured under" in proc.stdout and "demo-task.0" in proc.stdout
     summary = subprocess.run(
-        [sys.executable, "-m", "polar_mitm.cli", "summary", str(out / "data"), "--json"],
+        [sys.executable, "-m", "polar_mitm.cli.app", "summary", str(out / "data"), "--json"],
         capture_output=True,
         text=True,
         timeout=120,

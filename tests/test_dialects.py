@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_mitm.assemble import reply_to_chunks
 from polar_mitm.dialects import DialectError, by_name, detect
+from polar_mitm.dialects.assemble import reply_to_chunks
 from polar_mitm.dialects.convert import seal, unseal
 from polar_mitm.dialects.openai_responses import _InputDecoder, custom_input
 
@@ -1398,7 +1398,7 @@ def test_custom_input_other_shapes():
     ],
 )
 def test_output_cap_refusal_is_recognized(message, cap_refused):
-    from polar_mitm.exchange import cap_refused as refused
+    from polar_mitm.call.exchange import cap_refused as refused
 
     assert refused(message) is cap_refused
 
@@ -1407,8 +1407,8 @@ def test_prompt_counter():
     from transformers import AutoTokenizer
 
     from polar_mitm.assets import qwen3_tokenizer_dir
-    from polar_mitm.fidelity import load_tokenizer
-    from polar_mitm.tokencount import PromptCounter
+    from polar_mitm.tokens.count import PromptCounter
+    from polar_mitm.tokens.tokenizer import load_tokenizer
 
     chat = parse(MESSAGES, MESSAGES_CASES[1].values[0], "/v1/messages/count_tokens").chat
     tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir
-from polar_mitm.exact_prefix import MAX_CHAINS, ExactPrefix, Lookup, message_key
-from polar_mitm.fidelity import load_tokenizer
 from polar_mitm.output_parsers import family
+from polar_mitm.tokens.tokenizer import load_tokenizer
+from polar_mitm.trajectory.exact_prefix import MAX_CHAINS, ExactPrefix, Lookup, message_key
 
 from .clients import RUN_SHELL
 
@@ -187,7 +187,7 @@ def test_a_longer_chain_replaces_the_one_it_extends_and_chains_are_bounded(book_
 
 
 def test_compare_notes_what_chat_mode_would_have_sent(book_factory):
-    from polar_mitm.capture import CallRecord
+    from polar_mitm.call.record import CallRecord
 
     book = book_factory()
     messages = [SYSTEM, USER]

@@ -14,13 +14,13 @@ import threading
 import aiohttp
 
 from polar_mitm.assets import qwen3_tokenizer_dir
-from polar_mitm.capture import CallRecord
+from polar_mitm.call.exchange import Call, UpstreamSettings
+from polar_mitm.call.record import CallRecord
 from polar_mitm.dialects.openai_chat import OpenAIChat
-from polar_mitm.exchange import Call, UpstreamSettings
-from polar_mitm.fidelity import load_tokenizer
 from polar_mitm.policy_server import PolicyServer, ServerConfig
 from polar_mitm.policy_server.scenario import load_scenario
-from polar_mitm.retokenize import RetokenizeJob, Retokenizer, RetokenizeResult
+from polar_mitm.tokens.retokenize import RetokenizeJob, Retokenizer, RetokenizeResult
+from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.upstream.sglang import SGLang
 
 from .test_capture_e2e import SCENARIO

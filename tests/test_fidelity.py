@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from polar_mitm.assets import install_tiktoken_cache, qwen3_tokenizer_dir, qwen_tiktoken_file
-from polar_mitm.capture import CallRecord
-from polar_mitm.conversation import render_input
-from polar_mitm.drift import first_difference, roundtrip, wrong_tokens
-from polar_mitm.fidelity import PolicyTokenizer, load_tokenizer
-from polar_mitm.fidelity_check import CHECK, STRICT, FidelityStage
-from polar_mitm.rollouts import Rollouts
+from polar_mitm.call.record import CallRecord
+from polar_mitm.tokens.conversation import render_input
+from polar_mitm.tokens.drift import first_difference, roundtrip, wrong_tokens
+from polar_mitm.tokens.fidelity import CHECK, STRICT, FidelityStage
+from polar_mitm.tokens.tokenizer import PolicyTokenizer, load_tokenizer
+from polar_mitm.trajectory.rollouts import Rollouts
 
 RUN_SHELL = {
     "type": "function",

@@ -15,8 +15,8 @@ import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.control import ControlClient
-from polar_mitm.drift import first_difference
 from polar_mitm.store import read_table
+from polar_mitm.tokens.drift import first_difference
 
 from .clients import RUN_SHELL, http_client
 from .procs import ROOT, start_policy_server
@@ -101,7 +101,7 @@ def cli(*args: str, color: bool = False) -> subprocess.CompletedProcess:
         env.pop("FORCE_COLOR", None)
         env["NO_COLOR"] = "1"
     return subprocess.run(
-        [sys.executable, "-m", "polar_mitm.cli", *args],
+        [sys.executable, "-m", "polar_mitm.cli.app", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

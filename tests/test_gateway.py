@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from polar_mitm.exchange import ClientGone
-from polar_mitm.gateway import PATH_PREFIX, Gateway
+from polar_mitm.call.exchange import ClientGone
+from polar_mitm.call.gateway import PATH_PREFIX, Gateway
 
 
 class FakeCall:

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polar_mitm.addon import DEFAULT_HOSTS
-from polar_mitm.sse import SSEParser
+from polar_mitm.addons.capture import DEFAULT_HOSTS
+from polar_mitm.call.sse import SSEParser
 from polar_mitm.store import read_table
 
 from .clients import grep_bytes, http_client

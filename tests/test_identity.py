@@ -4,7 +4,7 @@ import base64
 
 from mitmproxy.http import Headers
 
-from polar_mitm.identity import proxy_user, resolve, split_group
+from polar_mitm.call.identity import proxy_user, resolve, split_group
 
 
 def basic(user: str, password: str = "x") -> str:

@@ -19,10 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from polar_mitm.assets import qwen3_tokenizer_dir
+from polar_mitm.cli.fidelity_report import harness_of
+from polar_mitm.cli.summary import checked_with_tokenizer
 from polar_mitm.control import ControlAPI, ControlServer, ControlState
-from polar_mitm.fidelity_report import harness_of
 from polar_mitm.store import read_table
-from polar_mitm.summary import checked_with_tokenizer
 
 from .clients import http_client, openai_client, run_tool_conversation
 from .procs import BIN, free_port, start_mitm, start_policy_server

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
-from polar_mitm.cli import main as cli_main
+from polar_mitm.cli.app import main as cli_main
 
 from .clients import RUN_SHELL, http_client, openai_client, run_tool_conversation
 from .test_capture_e2e import SCENARIO, calls_of

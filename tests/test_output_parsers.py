@@ -13,13 +13,13 @@ import random
 
 import pytest
 
-from polar_mitm.assemble import ChatAssembler
-from polar_mitm.exact_prefix import ExactPlan
-from polar_mitm.fidelity import load_tokenizer
+from polar_mitm.call.token_in import TokenInReply
+from polar_mitm.dialects.assemble import ChatAssembler
 from polar_mitm.output_parsers import FAMILIES, family
 from polar_mitm.policy_server.render import Renderer, RenderInput
 from polar_mitm.policy_server.scenario import ToolCallSpec, Turn
-from polar_mitm.token_in import TokenInReply
+from polar_mitm.tokens.tokenizer import load_tokenizer
+from polar_mitm.trajectory.exact_prefix import ExactPlan
 from polar_mitm.upstream import UPSTREAMS, TokenTally
 
 TURN = Turn(

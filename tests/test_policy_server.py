@@ -802,8 +802,8 @@ def test_concurrent_streams_do_not_block_each_other(server: Server) -> None:
     ],
 )
 def test_token_limits_of_each_server(limits, n_prompt, max_tokens, want) -> None:
-    from polar_mitm.conversation import RequestError
     from polar_mitm.policy_server.generation import token_limit
+    from polar_mitm.tokens.conversation import RequestError
 
     context = 131072 if n_prompt == 11435 and limits == "0.33" else 32768
     if isinstance(want, int):

@@ -59,7 +59,7 @@ def llama(gguf):
 
 @pytest.fixture(scope="module")
 def tokenizer(gguf):
-    from polar_mitm.gguf import load_gguf_tokenizer
+    from polar_mitm.tokens.gguf import load_gguf_tokenizer
 
     return load_gguf_tokenizer(gguf)
 
@@ -115,7 +115,7 @@ def test_gguf_tokenizer_chat_template(tokenizer, llama):
 
 
 def test_polar_tokenizer_gguf_spec(gguf, tmp_path):
-    from polar_mitm.fidelity import TokenizerError, load_tokenizer
+    from polar_mitm.tokens.tokenizer import TokenizerError, load_tokenizer
 
     tok = load_tokenizer(f"gguf:{gguf}")
     assert tok.kind == "hf" and tok.has_chat_template
@@ -674,7 +674,7 @@ def test_verl_trains_on_the_verl_export(real_server, make_mitm, tmp_path):
         "--trainer",
         "verl",
         "--polar-mitm",
-        f"{sys.executable} -m polar_mitm.cli",
+        f"{sys.executable} -m polar_mitm.cli.app",
         "--min-ratio-in-range",
         "0.99",
     )

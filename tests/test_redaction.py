@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_mitm.capture import REDACTED, redact_obj, redacted_json
+from polar_mitm.call.record import REDACTED, redact_obj, redacted_json
 
 # Keys: credential names in any case and spelling the pattern allows, near misses, and ordinary
 # names; strings: text that looks like a credential key inside JSON text.

@@ -8,9 +8,14 @@ import json
 import aiohttp
 import pytest
 
-from polar_mitm.conversation import RequestError, sglang_messages, sglang_render_input, sglang_tools
 from polar_mitm.policy_server import PolicyServer, ServerConfig
 from polar_mitm.policy_server.scenario import load_scenario
+from polar_mitm.tokens.conversation import (
+    RequestError,
+    sglang_messages,
+    sglang_render_input,
+    sglang_tools,
+)
 from polar_mitm.upstream import TokenTally
 from polar_mitm.upstream.sglang import SGLang
 
@@ -220,7 +225,7 @@ def test_sglext_stream_chunks():
 
 def test_generate_body_maps_every_sampling_name():
     """/generate rejects unknown sampling_params keys (400): the chat names are mapped."""
-    from polar_mitm.exact_prefix import SAMPLING_KEYS
+    from polar_mitm.trajectory.exact_prefix import SAMPLING_KEYS
 
     up = SGLang("http://x")
     sampling = {key: 1 for key in SAMPLING_KEYS} | {"max_tokens": 9}

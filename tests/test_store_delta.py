@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_mitm import captured
+from polar_mitm.cli import captured
 from polar_mitm.store import CALLS_SCHEMA, Store, list_shards, read_table
 from polar_mitm.store.delta import BASE_COLUMNS, resolve, shared_ends
 
@@ -210,7 +210,7 @@ def test_migrate_rewrites_schema_1_shards_smaller_and_reads_the_same(tmp_path: P
         )
     before = read_table(tmp_path, "calls").to_pylist()
     proc = subprocess.run(
-        [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+        [sys.executable, "-m", "polar_mitm.cli.app", "migrate", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -220,7 +220,7 @@ def test_migrate_rewrites_schema_1_shards_smaller_and_reads_the_same(tmp_path: P
     assert read_table(tmp_path, "calls").to_pylist() == before
     assert stored_sizes(tmp_path)[0] < sum(len(r["prompt_token_ids"]) for r in rows) / 3
     again = subprocess.run(
-        [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+        [sys.executable, "-m", "polar_mitm.cli.app", "migrate", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -228,7 +228,7 @@ def test_migrate_rewrites_schema_1_shards_smaller_and_reads_the_same(tmp_path: P
     assert "nothing to migrate (3 calls shards already schema 2)" in again.stdout
     with Store(tmp_path):  # a running proxy holds the lock: migrate refuses
         busy = subprocess.run(
-            [sys.executable, "-m", "polar_mitm.cli", "migrate", str(tmp_path)],
+            [sys.executable, "-m", "polar_mitm.cli.app", "migrate", str(tmp_path)],
             capture_output=True,
             text=True,
             timeout=120,

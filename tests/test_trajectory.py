@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_mitm import breaks
-from polar_mitm.breaks import BreakEvidence, classify_break, history_change, request_view
-from polar_mitm.trajectory import (
+from polar_mitm.trajectory import breaks
+from polar_mitm.trajectory.breaks import BreakEvidence, classify_break, history_change, request_view
+from polar_mitm.trajectory.merge import (
     _SEED,
     BLOCK,
     CallFacts,
@@ -205,7 +205,7 @@ def test_retry_of_an_earlier_prompt():
 def test_a_repeated_prompt_costs_one_comparison_and_names_the_newest_chain(monkeypatch, prompt):
     """A rollout that sends one prompt again and again (retries, samples) gets a chain per call;
     the newest is the parent, found without comparing the prompt against every older chain."""
-    from polar_mitm import trajectory
+    from polar_mitm.trajectory import merge as trajectory
 
     m = Merger()
     placed = [m.add(prompt, [i, EOT]) for i in range(1, 41)]
@@ -225,7 +225,7 @@ def test_a_repeated_prompt_costs_one_comparison_and_names_the_newest_chain(monke
 def test_a_break_parses_only_its_own_request_once_the_parent_was_parsed(monkeypatch):
     """Break evidence compares this call's request with its parent's last one; each request
     body (often megabytes) is parsed once, and the new chain keeps its parsed view."""
-    from polar_mitm import trajectory
+    from polar_mitm.trajectory import merge as trajectory
 
     parsed = []
     real = trajectory.request_view

@@ -3,7 +3,7 @@
 Dialect tests run against every kind of the reference server (`conftest.UPSTREAM_KINDS`) and
 compare the proxy's records with these. `direct_ids` asks the server directly (no proxy) with that
 kind's own token flags; `expected_prompt_ids` renders the Qwen3 template after normalizing the
-messages the way that kind does — written here independently of `polar_mitm.conversation`, so a
+messages the way that kind does — written here independently of `polar_mitm.tokens.conversation`, so a
 bug there cannot hide in both the server and the test.
 """
 

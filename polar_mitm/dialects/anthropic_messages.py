@@ -39,10 +39,9 @@ import json
 import re
 from typing import Any
 
-from .. import compaction
-from ..assemble import ToolCallParts, reply_to_chunks
-from ..sse import encode_json
-from ..usage import anthropic_usage, counts
+from ..call.sse import encode_json
+from . import compaction
+from .assemble import ToolCallParts, reply_to_chunks
 from .base import (
     Dialect,
     DialectError,
@@ -67,6 +66,7 @@ from .convert import (
     text_part,
     unseal,
 )
+from .usage import anthropic_usage, counts
 
 # Claude Code's first system block: per-request billing metadata (its `cch=` changes every call),
 # not instructions. Rendered, it would make every prompt differ from the previous call's prefix.
@@ -196,7 +196,7 @@ def error_type(status: int, kind: str) -> str:
 def _purpose(data: dict[str, Any], system: str) -> str:
     """`main`, or for a tool-less call of Claude Code (its side calls carry no tools, its main
     loop and sub-agents always do) what it is for: `title`, `summary` or `side`; Claude Code's
-    own compaction (tools or not) is `compaction` (compaction.py)."""
+    own compaction (tools or not) is `compaction` (dialects/compaction.py)."""
     if compaction.is_claude_compaction(_last_user_text(data.get("messages"))):
         return compaction.PURPOSE
     if data.get("tools") or not _is_claude_code(data, system):

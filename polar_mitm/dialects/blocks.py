@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..assemble import REASONING_KEYS, ToolCallParts
+from .assemble import REASONING_KEYS, ToolCallParts
 from .base import StreamTranslator
 
 

@@ -35,10 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import compaction
-from ..assemble import ToolCallParts, reply_to_chunks
-from ..sse import encode_json
-from ..usage import counts, responses_usage
+from ..call.sse import encode_json
+from . import compaction
+from .assemble import ToolCallParts, reply_to_chunks
 from .base import Dialect, DialectError, HarnessRequest, load_json_object, optional
 from .blocks import BlockStream
 from .convert import (
@@ -55,6 +54,7 @@ from .convert import (
     text_part,
     unseal,
 )
+from .usage import counts, responses_usage
 
 # Tools run by OpenAI's servers: nothing behind this proxy can run them, so they are not offered.
 HOSTED_TOOLS = frozenset(
@@ -276,7 +276,7 @@ class OpenAIResponses(Dialect):
                 _add_item(builder, tools, item, f"input[{i}]")
         else:
             raise DialectError("'input' is required: a string or a list of items")
-        if compacting:  # the policy writes the summary (polar_mitm/compaction.py)
+        if compacting:  # the policy writes the summary (polar_mitm/dialects/compaction.py)
             builder.user(compaction.INSTRUCTION)
         messages = builder.result()
         if not messages:

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..fidelity import PolicyTokenizer
-from ..traceview import Segment, segments
+from ..tokens.tokenizer import PolicyTokenizer
+from ..trajectory.traceview import Segment, segments
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ from nemo_gym.server_utils import get_response_json
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..control import ControlClient, ControlError
-from ..traceview import main_trace
+from ..trajectory.traceview import main_trace
 from .harness import DEFAULT_BIN_DIR, DEFAULT_MODEL, HARNESSES, harness_env, run_harness
 from .items import STATUS, output_items, response
 from .own_proxy import OwnProxy, ProxyStartError, launch, wait_ready

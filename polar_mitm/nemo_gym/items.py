@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..traceview import segments
+from ..trajectory.traceview import segments
 
 STATUS = {"completed": "completed", "incomplete": "incomplete", "error": "failed"}
 

@@ -1,6 +1,6 @@
 """Output parsers: what a model family's raw generated text means as a chat-completions message.
 
-Exact-prefix mode (`exact_prefix.py`) sends the policy server token ids on its token-in endpoint,
+Exact-prefix mode (`trajectory/exact_prefix.py`) sends the policy server token ids on its token-in endpoint,
 which answers with raw text, not with the reasoning / content / tool-call split of its chat
 endpoint. The proxy then does that split itself, the way the server's own parsers would, so the
 harness gets the same reply either way. One module per model family, each exposing a `Family`;

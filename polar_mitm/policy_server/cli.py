@@ -254,7 +254,7 @@ def _real_model(
 ) -> _RealModel:
     """Load the model (before listening, so a bad file is one clear line, not a 500 later)."""
     from ..assets import AssetMissing, smollm2_gguf
-    from ..gguf import GgufError
+    from ..tokens.gguf import GgufError
     from .llama_engine import EngineError, LlamaEngine
     from .real import RealModelConfig
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ..conversation import RenderInput, RequestError
+from ..tokens.conversation import RenderInput, RequestError
 from ..upstream.sglang import SGLANG_SAMPLING_FIELDS
 from .generation import fake_logprob, token_limit
 from .scenario import Turn

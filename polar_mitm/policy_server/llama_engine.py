@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..gguf import GgufInfo, read_gguf
+from ..tokens.gguf import GgufInfo, read_gguf
 
 log = logging.getLogger(__name__)
 

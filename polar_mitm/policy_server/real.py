@@ -2,7 +2,7 @@
 
 Same endpoints, request validation, error shapes and reply shapes as the scripted vLLM kind
 (``vllm_wire.py``); what differs is where the tokens come from. The prompt is rendered with the
-GGUF's own chat template and tokenizer (:func:`polar_mitm.gguf.load_gguf_tokenizer`), the ids go to
+GGUF's own chat template and tokenizer (:func:`polar_mitm.tokens.gguf.load_gguf_tokenizer`), the ids go to
 :class:`~polar_mitm.policy_server.llama_engine.LlamaEngine`, and a stream's chunk for each token is
 built and written as soon as that token is sampled — the next token does not exist yet.
 
@@ -35,9 +35,9 @@ from typing import Any
 
 from aiohttp import web
 
-from ..conversation import RequestError
-from ..gguf import load_gguf_tokenizer
 from ..output_parsers.qwen3 import StreamParser
+from ..tokens.conversation import RequestError
+from ..tokens.gguf import load_gguf_tokenizer
 from .generation import Sample, token_limit
 from .llama_engine import Generation, LlamaEngine, SamplingParams, Step
 from .render import Prompt, Renderer

@@ -2,7 +2,7 @@
 
 The reference server is only useful if its ``prompt_token_ids`` are the ones the real server would
 compute for the same request. The request normalization that decides this (content parts, tool-call
-arguments, prior reasoning, tools) lives in :mod:`polar_mitm.conversation`, shared with the proxy's
+arguments, prior reasoning, tools) lives in :mod:`polar_mitm.tokens.conversation`, shared with the proxy's
 no-ids fallback; its names are re-exported here.
 
 A scripted turn's output ids are the real tokenization of the assistant turn as the chat template
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..conversation import (
+from ..tokens.conversation import (
     RenderInput,
     RequestError,
     normalize_messages,

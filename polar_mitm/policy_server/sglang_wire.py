@@ -7,7 +7,7 @@ serving_base}.py``, ``managers/tokenizer_manager.py``, ``parser/reasoning_parser
 ``return_meta_info``) and after PR #30917 (2026-07: ``return_token_ids`` on chat). docs/upstreams.md
 lists the facts and their sources. The code is ours, the behaviour theirs:
 
-* Request: the conversation is normalized the SGLang way (:func:`polar_mitm.conversation.
+* Request: the conversation is normalized the SGLang way (:func:`polar_mitm.tokens.conversation.
   sglang_render_input`). ``stream: true`` together with ``return_prompt_token_ids``,
   ``return_meta_info`` or ``return_token_ids`` is refused with 400 (SGLang's messages). The model
   name is not checked; the reply echoes it (``"default"`` when absent).
@@ -45,8 +45,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from ..conversation import RequestError, sglang_render_input, sglang_tool_choice
 from ..output_parsers.qwen3 import StreamParser
+from ..tokens.conversation import RequestError, sglang_render_input, sglang_tool_choice
 from .generation import Sample
 from .wire import ChatCall, ReplyPlan, WireError
 

@@ -21,14 +21,14 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from ..conversation import (
+from ..output_parsers.qwen3 import StreamParser, message_tool_calls, parse_output
+from ..tokens.conversation import (
     RenderInput,
     RequestError,
     normalize_messages,
     normalize_tools,
     template_kwargs,
 )
-from ..output_parsers.qwen3 import StreamParser, message_tool_calls, parse_output
 from .generation import Sample
 from .wire import ChatCall, ReplyPlan, WireError
 

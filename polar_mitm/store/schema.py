@@ -27,7 +27,9 @@ CALLS_SCHEMA = pa.schema(
         pa.field("group_id", pa.string()),
         pa.field("sample_index", pa.int32()),
         pa.field("session_id", pa.string()),
-        pa.field("agent", pa.string()),  # the harness's name for the calling agent (lineage.py)
+        pa.field(
+            "agent", pa.string()
+        ),  # the harness's name for the calling agent (trajectory/lineage.py)
         pa.field("proxy_id", pa.string()),
         pa.field("started_at", _TS),
         pa.field("first_byte_at", _TS),

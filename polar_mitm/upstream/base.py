@@ -61,7 +61,7 @@ class Upstream(ABC):
     # synthesized; an instance may change it once it knows its server (SGLang's probe).
     streams_with_tokens: bool = True
     chat_path: ClassVar[str] = "/v1/chat/completions"
-    # How this server normalizes a conversation before its chat template (`conversation.py`):
+    # How this server normalizes a conversation before its chat template (`tokens/conversation.py`):
     # what the no-ids fallback must reproduce to recompute prompt ids.
     template_flavor: ClassVar[str] = "vllm"
     # False for servers that never return token ids (kind `openai`): every record is retokenized.

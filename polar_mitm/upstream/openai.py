@@ -2,7 +2,7 @@
 
 Nothing is asked beyond what the harness asked, except ``stream_options.include_usage`` on
 streams so the server's token counts are there to check against. Every record from such a server
-goes through the no-ids fallback (`retokenize.py`): prompt ids from the policy tokenizer's chat
+goes through the no-ids fallback (`tokens/retokenize.py`): prompt ids from the policy tokenizer's chat
 template (vLLM's normalization, the common one), output ids from the reply's text, both counts
 checked against ``usage``; the records say ``ids_source = retokenized`` and are not trainable
 unless ``polar_trust_retokenized`` is set.

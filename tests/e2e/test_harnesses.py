@@ -27,7 +27,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from polar_mitm.addon import DEFAULT_HOSTS
+from polar_mitm.addons.capture import DEFAULT_HOSTS
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.control import ControlClient
 from polar_mitm.store import read_table

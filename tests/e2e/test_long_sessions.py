@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm import compaction
+from polar_mitm.dialects import compaction
 
 from .harnesses import HARNESSES, Harness
 from .test_harnesses import (

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from polar_mitm.cli import main
+from polar_mitm.cli.app import main
 
 from ..clients import grep_bytes, http_client
 from ..procs import MITMDUMP, ROOT, Proc, free_port
@@ -221,7 +221,7 @@ def test_control_token_is_compared_in_constant_time(monkeypatch):
     import hmac
 
     from polar_mitm import control
-    from polar_mitm.rollouts import Rollouts
+    from polar_mitm.trajectory.rollouts import Rollouts
 
     seen: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest

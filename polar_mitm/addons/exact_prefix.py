@@ -1,0 +1,77 @@
+"""`ExactPrefixAddon`: exact-prefix mode (`polar_exact_prefix`): chains' exact tokens as prompts."""
+
+from __future__ import annotations
+
+from mitmproxy import ctx
+
+from ..output_parsers import FAMILIES, family
+from ..trajectory.exact_prefix import ExactPrefix
+from .options import _errors, log
+from .tokenizer import TokenizerAddon
+
+
+class ExactPrefixAddon:
+    """`polar_exact_prefix`: a call that extends one of its rollout's chains is sent to the
+    server's token-in endpoint with the chain's exact tokens as its prompt (trajectory/exact_prefix.py)."""
+
+    def __init__(self, tokenizer: TokenizerAddon) -> None:
+        self.tokenizer = tokenizer
+        self.book: ExactPrefix | None = None
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_exact_prefix",
+            bool,
+            False,
+            "Exact-prefix mode: a call that extends one of its rollout's chains gets the chain's "
+            "exact tokens (as sampled) plus only its new messages rendered with polar_tokenizer's "
+            "chat template as its prompt, sent to the server's token-in endpoint (vLLM "
+            "/v1/completions, SGLang /generate); the raw reply is parsed back into the harness's "
+            "dialect with polar_output_parser. Other calls go the chat way. Needs polar_tokenizer "
+            "with a chat template.",
+        )
+        loader.add_option(
+            "polar_output_parser",
+            str,
+            "qwen3",
+            "Exact-prefix mode: the policy's output format, to turn raw generated text into "
+            f"reasoning, content and tool calls ({', '.join(FAMILIES)}).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if not {"polar_exact_prefix", "polar_output_parser", "polar_tokenizer"} & updated:
+            return
+        self.book = None
+        opts = ctx.options
+        try:
+            parser = family(opts.polar_output_parser)
+        except ValueError as e:
+            _errors.fail(f"polar_output_parser: {e}")
+            return
+        if not opts.polar_exact_prefix:
+            return
+        tok = self.tokenizer.tokenizer
+        if tok is None or not tok.has_chat_template:
+            _errors.fail(
+                "polar_exact_prefix: needs polar_tokenizer set to a tokenizer with a chat template "
+                "(a Hugging Face tokenizer dir or gguf:FILE), to render new messages as the server "
+                "would"
+            )
+            return
+        self.book = ExactPrefix(tok, parser)
+
+    def running(self) -> None:
+        if self.book is not None:
+            log.info(
+                "polar-mitm: exact-prefix mode on (chains rendered with %s, output parser %s)",
+                self.book.tokenizer.spec,
+                self.book.family.name,
+            )
+
+    def rollout_written(self, rollout_id: str) -> None:
+        if self.book is not None:
+            self.book.forget(rollout_id)
+
+    async def drain(self) -> None:
+        if self.book is not None:
+            await self.book.drain()

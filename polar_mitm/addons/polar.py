@@ -1,0 +1,62 @@
+"""`polar_addons()`: the addons of `mitmdump -s addons/polar.py`, wired together in the order their
+hooks must run."""
+
+from __future__ import annotations
+
+from ..control import ControlState
+from ..metrics import MetricsAddon
+from ..tokenizer_record import TokenizerRecordAddon
+from ..tokens.fidelity import FidelityStage
+from .capture import CaptureAddon
+from .control import ControlAddon
+from .exact_prefix import ExactPrefixAddon
+from .fidelity import FidelityAddon
+from .identity import RolloutIdentityAddon
+from .retokenize import RetokenizeAddon
+from .setup import ProxySetup
+from .store import StoreAddon
+from .tokenizer import TokenizerAddon
+from .trajectory import TrajectoryAddon
+
+
+def polar_addons() -> list[object]:
+    """The addons of `mitmdump -s addons/polar.py`, wired together. The control state is the
+    first sink: it stamps `policy_version_end` before the store and the trajectories see a call."""
+    identity = RolloutIdentityAddon()
+    tokenizer = TokenizerAddon()
+    retokenize = RetokenizeAddon(tokenizer)
+    exact = ExactPrefixAddon(tokenizer)
+    store = StoreAddon()
+    state = ControlState()
+    trajectory = TrajectoryAddon(store, state, exact)
+    # merge, then fidelity checks (worker), then the store and the metrics (final records)
+    metrics = MetricsAddon(state, trajectory.rollouts, store)
+    stage = FidelityStage(trajectory.rollouts, [store, metrics])
+    fidelity = FidelityAddon(tokenizer, stage)
+    capture = CaptureAddon(
+        identity,
+        sinks=[state, fidelity],
+        retokenize=retokenize,
+        control=state,
+        tokenizer=tokenizer,
+        exact=exact,
+    )
+    capture.metrics = metrics.metrics
+    control = ControlAddon(state, trajectory.rollouts, settle=stage.drain, metrics=metrics)
+    # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
+    # calls, then pending retokenizations and fidelity checks drain, the trajectories write the
+    # open rollouts, and only then does the store close.
+    return [
+        ProxySetup(),
+        identity,
+        tokenizer,
+        exact,
+        control,
+        capture,
+        retokenize,
+        fidelity,
+        trajectory,
+        store,
+        metrics,
+        TokenizerRecordAddon(tokenizer, store),  # after the store has started
+    ]

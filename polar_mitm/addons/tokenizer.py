@@ -1,0 +1,35 @@
+"""`TokenizerAddon`: loads the policy tokenizer (`polar_tokenizer`)."""
+
+from __future__ import annotations
+
+from mitmproxy import ctx
+
+from ..tokens.tokenizer import PolicyTokenizer, TokenizerError, load_tokenizer
+from .options import _errors
+
+
+class TokenizerAddon:
+    def __init__(self) -> None:
+        self.tokenizer: PolicyTokenizer | None = None
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "polar_tokenizer",
+            str,
+            "",
+            "Policy tokenizer for fidelity checks and count_tokens: a local Hugging Face tokenizer "
+            "dir (with its chat template), tiktoken:<encoding name or .tiktoken file>, or "
+            "gguf:<model.gguf> (the tokenizer and chat template inside a GGUF model file).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "polar_tokenizer" not in updated:
+            return
+        spec = ctx.options.polar_tokenizer
+        if not spec:
+            self.tokenizer = None
+            return
+        try:
+            self.tokenizer = load_tokenizer(spec)
+        except TokenizerError as e:
+            _errors.fail(f"polar_tokenizer: {e}")

@@ -1,0 +1,291 @@
+"""One record per LLM call, and the redaction that keeps secrets off disk.
+
+A `CallRecord` is created when the harness's request is parsed and finished exactly once —
+completed, error, client_aborted — so every call leaves a row, never a silent gap. Its fields are
+the columns of `store.schema.CALLS_SCHEMA`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from .. import fastjson
+
+log = logging.getLogger(__name__)
+REDACTED = "[redacted]"
+# Headers whose values are credentials. Values are dropped, never hashed or truncated.
+SECRET_HEADERS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+        "set-cookie",
+        "x-goog-api-key",
+        "openai-organization",
+        "openai-project",
+        "chatgpt-account-id",
+        "x-polar-control-token",
+    }
+)
+# JSON keys whose values are credentials wherever they appear in a stored body.
+_SECRET_KEY = re.compile(
+    r"^(api[_-]?key|authorization|password|passwd|secret|client[_-]?secret|access[_-]?token"
+    r"|refresh[_-]?token|id[_-]?token|session[_-]?token|cookie|credentials?)$",
+    re.IGNORECASE,
+)
+# The same names as keys of compact JSON text (see `redacted_json`).
+_SECRET_KEY_IN_JSON = re.compile(
+    r'[{,]"(' + _SECRET_KEY.pattern.removeprefix("^(").removesuffix(")$") + r')":', re.IGNORECASE
+)
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def new_call_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class CallRecord:
+    rollout_id: str
+    call_id: str = field(default_factory=new_call_id)
+    rollout_source: str | None = None
+    group_id: str | None = None
+    sample_index: int | None = None
+    session_id: str | None = None
+    agent: str | None = None  # the harness's name for the calling agent (lineage.agent_of)
+    proxy_id: str | None = None
+    started_at: int = field(default_factory=now_us)
+    first_byte_at: int | None = None
+    finished_at: int | None = None
+    dialect: str | None = None
+    purpose: str | None = "main"
+    method: str | None = None
+    host: str | None = None
+    path: str | None = None
+    stream: bool | None = None
+    upstream_kind: str | None = None
+    upstream_url: str | None = None
+    route: str | None = "chat"
+    model_requested: str | None = None
+    model_served: str | None = None
+    policy_version: str | None = None
+    policy_version_end: str | None = None
+    prompt_token_ids: Sequence[int] | None = None  # array('i') from the capture path
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    ids_source: str | None = None
+    count_check: str | None = None
+    finish_reason: str | None = None
+    usage_prompt_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    usage_json: str | None = None
+    status: str = "incomplete"
+    http_status: int | None = None
+    error: str | None = None
+    fidelity_flags: list[str] = field(default_factory=list)
+    fidelity_json: str | None = None
+    trainable: bool = False
+    request_json: str | None = None
+    response_json: str | None = None
+    headers_json: str | None = None
+    translation_notes: list[str] = field(default_factory=list)
+
+    def mark_first_byte(self) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = now_us()
+
+    def flag(self, name: str) -> None:
+        if name not in self.fidelity_flags:
+            self.fidelity_flags.append(name)
+
+    def fidelity_data(self) -> dict[str, Any]:
+        """`fidelity_json` as a dict (empty when unset or not an object)."""
+        if not self.fidelity_json:
+            return {}
+        try:
+            data = json.loads(self.fidelity_json)
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def update_fidelity(self, **items: Any) -> None:
+        """Set keys of `fidelity_json`, keeping the others (several stages write there)."""
+        data = self.fidelity_data()
+        data.update(items)
+        self.fidelity_json = json.dumps(data, ensure_ascii=False)
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def conform(self) -> None:
+        """Make every field fit its column, so the store can never reject the row.
+
+        Most fields are ours; a few come from the upstream's JSON (token ids, finish_reason,
+        model). A value of the wrong type or range is dropped and the record flagged
+        ``malformed_<field>`` (and not trainable): a record with a gap beats a lost record.
+        Once per call, a few microseconds (the id lists are checked by `array`, in C)."""
+        bad = []
+        for name, check in _CHECKS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            fixed = check(value)
+            if fixed is _BAD:
+                bad.append(name)
+                setattr(self, name, [] if name in _NOT_NULL_LISTS else None)
+            elif fixed is not value:
+                setattr(self, name, fixed)
+        for name in bad:
+            self.flag(f"malformed_{name}")
+        if bad:
+            self.trainable = False
+
+
+_BAD = object()
+
+
+def _typed_list(code: str) -> Any:
+    """A check for a list column stored as `array(code)` by the journal."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, array) and value.typecode == code:
+            return value
+        if not isinstance(value, list):
+            return _BAD
+        try:
+            array(code, value)
+        except (TypeError, ValueError, OverflowError):
+            return _BAD
+        return value
+
+    return check
+
+
+def _int32(value: Any) -> Any:
+    ok = isinstance(value, int) and not isinstance(value, bool) and -(2**31) <= value < 2**31
+    return value if ok else _BAD
+
+
+def _str(value: Any) -> Any:
+    """A string that UTF-8 can encode: a header mitmproxy decoded with surrogateescape, say,
+    has its undecodable bytes replaced."""
+    if not isinstance(value, str):
+        return _BAD
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
+# The fields whose values may come from outside (the upstream's JSON, the harness's headers).
+_CHECKS: tuple[tuple[str, Any], ...] = (
+    ("prompt_token_ids", _typed_list("i")),
+    ("output_token_ids", _typed_list("i")),
+    ("output_logprobs", _typed_list("f")),
+    ("usage_prompt_tokens", _int32),
+    ("usage_completion_tokens", _int32),
+    ("sample_index", _int32),
+    ("http_status", _int32),
+    ("finish_reason", _str),
+    ("model_served", _str),
+    ("model_requested", _str),
+    ("session_id", _str),
+    ("error", _str),
+)
+_NOT_NULL_LISTS = frozenset({"output_token_ids", "output_logprobs"})
+
+
+class CallSink(Protocol):
+    """Anything that wants finished calls: the store, trajectories, fidelity checks.
+
+    A sink may return a *receipt*: a `concurrent.futures.Future` (or an awaitable) that is done
+    once the record is durable (the store: fsynced in the journal). The gateway holds the last
+    bytes of a completed reply until its receipts are done; most sinks return None.
+    """
+
+    def call_finished(self, record: CallRecord) -> Any: ...
+
+
+def deliver(record: CallRecord, sinks: Iterable[CallSink]) -> list[Any]:
+    """Hand a finished record to every sink; one failing sink must not starve the others.
+    Returns the receipts the sinks gave back."""
+    receipts = []
+    record.conform()
+    for sink in sinks:
+        try:
+            receipt = sink.call_finished(record)
+        except Exception:
+            log.exception("polar-mitm: %r failed on call %s", sink, record.call_id)
+            continue
+        if receipt is not None:
+            receipts.append(receipt)
+    return receipts
+
+
+def redact_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in headers:
+        key = name.lower()
+        out[key] = REDACTED if key in SECRET_HEADERS else value
+    return out
+
+
+def secret_values(headers: Mapping[str, str]) -> list[str]:
+    """The credential values of a request, to scrub wherever else they might appear."""
+    values = []
+    for name in SECRET_HEADERS:
+        value = headers.get(name)
+        if value:
+            values.append(value)
+            scheme, _, rest = value.partition(" ")
+            if rest and scheme.lower() in ("bearer", "basic"):
+                values.append(rest.strip())
+    return [v for v in values if len(v) >= 6]
+
+
+def redact_obj(obj: Any) -> Any:
+    """A copy of a JSON value with credential-named keys blanked."""
+    if isinstance(obj, dict):
+        return {
+            k: (REDACTED if isinstance(k, str) and _SECRET_KEY.match(k) else redact_obj(v))
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [redact_obj(v) for v in obj]
+    return obj
+
+
+def redacted_json(obj: Any, secrets: Iterable[str] = ()) -> str:
+    """Compact JSON of `obj` with credential-named keys blanked and `secrets` scrubbed.
+
+    Requests run to hundreds of KB in long agent loops and almost never hold a credential key,
+    so the text is written first and the tree copied (`redact_obj`) only when a credential-named
+    key shows up in it: such names need no JSON escaping, so each key of them appears in compact
+    JSON as `{"name":` or `,"name":`, and never so inside a string (its quotes are escaped)."""
+    text = fastjson.dumps(obj)
+    if _SECRET_KEY_IN_JSON.search(text):
+        text = fastjson.dumps(redact_obj(obj))
+    return scrub(text, secrets)
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    for secret in secrets:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
