@@ -26,9 +26,9 @@ row-group size), `recovery` (crash rules), `writer` (threads, thresholds, retrie
 """
 
 from .reader import dedupe, list_shards, read_table
-from .recovery import RecoveryReport, recover
+from .recovery import RecoveryReport
 from .schema import CALLS_SCHEMA, KEYS, SCHEMA_VERSION, SCHEMAS, TRACES_SCHEMA
-from .writer import Store
+from .writer import Store, recover
 
 __all__ = [
     "CALLS_SCHEMA",

@@ -1,6 +1,7 @@
 """Recovery: what a crashed (or killed, or power-cut) run left in the journal, made into shards once.
 
-Called by `Store.start()` before the writer threads run, and by `recover()` (``polar-mitm recover``).
+Called by `Store.start()` before the writer threads run (and so by `writer.recover()`, ``polar-mitm
+recover``). This module never imports the writer: the Store owns the commit protocol and calls in.
 The rules, in the order they apply:
 
 1. temp shards (``.part-….parquet.tmp``) under the output are removed (see `cleanup_temp_files`);
@@ -23,8 +24,6 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-import pyarrow.fs as pafs
 
 from .journal import Damage, decode_record, list_segments, read_segment, segment_name
 from .schema import SCHEMAS
@@ -200,22 +199,3 @@ def load_rows(
             if d == dataset:
                 rows.append(row)
     return rows
-
-
-def recover(
-    output: str | os.PathLike[str],
-    journal_dir: str | os.PathLike[str] | None = None,
-    filesystem: pafs.FileSystem | None = None,
-    timeout: float | None = 60.0,
-) -> RecoveryReport:
-    """Turn a crashed run's journal into shards and return what was done (``polar-mitm recover``).
-
-    Takes the journal's lock, so it refuses to run beside a live proxy on the same journal. When the
-    output is unreachable the rows stay in the journal and ``report.error`` says why.
-    """
-    from .writer import Store  # the Store owns the commit protocol; recovery reuses it
-
-    store = Store(output, journal_dir=journal_dir, filesystem=filesystem)
-    report = store.start()
-    store.close(timeout=0 if report.error else timeout)
-    return report

@@ -942,3 +942,20 @@ class Store:
             n = self._stats["dropped"]
         if n <= 10 or n % 1000 == 0:
             log.error("polar store: row dropped (%d so far): %s", n, why)
+
+
+def recover(
+    output: str | os.PathLike[str],
+    journal_dir: str | os.PathLike[str] | None = None,
+    filesystem: pafs.FileSystem | None = None,
+    timeout: float | None = 60.0,
+) -> RecoveryReport:
+    """Turn a crashed run's journal into shards and return what was done (``polar-mitm recover``).
+
+    Takes the journal's lock, so it refuses to run beside a live proxy on the same journal. When the
+    output is unreachable the rows stay in the journal and ``report.error`` says why.
+    """
+    store = Store(output, journal_dir=journal_dir, filesystem=filesystem)
+    report = store.start()
+    store.close(timeout=0 if report.error else timeout)
+    return report
