@@ -19,7 +19,7 @@ import click
 from .scenario import ScenarioError, demo_scenario_path, load_scenario
 from .versions import VLLM_LIMITS, VLLM_VERSION
 from .vllm_wire import REASONING_FIELDS
-from .wire import WIRE_KINDS
+from .wire_kinds import WIRE_KINDS
 
 
 async def _serve(config, host: str, port: int, real=None) -> None:

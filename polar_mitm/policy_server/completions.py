@@ -24,18 +24,38 @@ import json
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from ..tokens.conversation import RenderInput, RequestError
 from ..upstream.sglang import SGLANG_SAMPLING_FIELDS
 from .generation import fake_logprob, token_limit
-from .scenario import Turn
-from .wire import ReplyPlan
+from .render import Renderer
+from .scenario import Scenario, Turn
+from .wire import ReplyPlan, Wire, WireError
 
-if TYPE_CHECKING:
-    from .server import PolicyServer
+
+class TokenInHost(Protocol):
+    """What the token-in endpoints use of the server that mounts them (`server.PolicyServer`).
+    A protocol rather than an import: server.py mounts these routes, so this module cannot import
+    server.py back without tying the two into an import cycle."""
+
+    renderer: Renderer
+    scenario: Scenario
+    max_model_len: int
+    served_model: str
+    wire: Wire
+    control: Any  # server.Control: its ``stats`` counter
+
+    async def _body(self, request: web.Request) -> Any: ...
+
+    def _bad_request(self, e: RequestError) -> WireError: ...
+
+    def check_model(self, model: Any) -> None: ...
+
+    async def play(self, request: web.Request, plan: ReplyPlan) -> web.StreamResponse: ...
+
 
 DONE = b"data: [DONE]\n\n"
 _BLOCK = re.compile(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", re.DOTALL)
@@ -76,7 +96,7 @@ def read_chatml(text: str) -> tuple[str, str, list[str], int]:
 class TokenInSample:
     """A scripted turn sampled after a prompt given as ids."""
 
-    def __init__(self, server: PolicyServer, prompt: list[int], max_tokens: int | None):
+    def __init__(self, server: TokenInHost, prompt: list[int], max_tokens: int | None):
         renderer = server.renderer
         if not prompt:
             raise RequestError("the prompt must not be empty", param="prompt")
@@ -241,7 +261,7 @@ def generate_plan(body: dict[str, Any], sample: TokenInSample) -> ReplyPlan:
     return ReplyPlan(200, "application/json", [_dumps(reply)], [len(sample.ids)], False)
 
 
-def add_routes(app: web.Application, server: PolicyServer) -> None:
+def add_routes(app: web.Application, server: TokenInHost) -> None:
     """``/v1/completions`` for the vLLM kind, ``/generate`` for the SGLang kind."""
 
     async def completions(request: web.Request) -> web.StreamResponse:

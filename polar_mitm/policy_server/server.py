@@ -46,7 +46,8 @@ from .generation import sample
 from .render import Renderer
 from .scenario import Scenario
 from .versions import VLLM_LIMITS
-from .wire import WIRE_KINDS, ChatCall, ReplyPlan, Wire, WireError
+from .wire import ChatCall, ReplyPlan, Wire, WireError
+from .wire_kinds import WIRE_KINDS
 
 log = logging.getLogger(__name__)
 

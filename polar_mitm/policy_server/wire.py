@@ -3,7 +3,8 @@
 A wire kind is one module with one class implementing :class:`Wire`: it turns a request body into a
 kind-neutral :class:`ChatCall`, and a :class:`~polar_mitm.policy_server.generation.Sample` into a
 :class:`ReplyPlan` — the exact bytes to send, chunk by chunk. The server never builds JSON itself, so an
-SGLang mode is ``sglang_wire.py`` plus one line in :data:`WIRE_KINDS`.
+SGLang mode is ``sglang_wire.py`` plus one line in ``wire_kinds.py``. This module imports no wire
+kind: they implement it.
 
 A :class:`ReplyPlan` is data, not a coroutine, so fault modes (``faults.py``) can rewrite it in one
 place before the server plays it.
@@ -11,7 +12,6 @@ place before the server plays it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -106,19 +106,3 @@ class Wire(Protocol):
     ) -> dict[str, Any]:
         """The ``POST /tokenize`` body."""
         ...
-
-
-def _vllm(**options: Any) -> Wire:
-    from .vllm_wire import VllmWire
-
-    return VllmWire(**options)
-
-
-def _sglang(**options: Any) -> Wire:
-    from .sglang_wire import SglangWire
-
-    return SglangWire(**options)
-
-
-#: Wire kinds by ``--kind`` name; each factory takes the kind's own options as keywords.
-WIRE_KINDS: dict[str, Callable[..., Wire]] = {"vllm": _vllm, "sglang": _sglang}
