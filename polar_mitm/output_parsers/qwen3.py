@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .base import Family
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 TOOL_START = "<tool_call>"
@@ -313,8 +315,6 @@ class StreamParser:
 
 
 def _family(name: str, reasoning: bool):
-    from . import Family
-
     return Family(
         name=name,
         think_start=THINK_START if reasoning else None,
