@@ -1,0 +1,184 @@
+"""The house rules of `polar_mitm/` (issue 22), checked by parsing every module's imports.
+
+Imports point down the data path: no import cycles (deferred and type-only imports count: a cycle
+tied by a function-level import is still two modules that cannot be read apart); the CLI reads
+the store and never pulls in the proxy's live modules; `call/` and everything else below the
+addons never import `addons/`. Parsing, not importing, so the test is fast and sees the lazy
+imports too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "polar_mitm"
+
+# The proxy's live modules: what only a running proxy has (its addons, the calls in flight,
+# the control plane, the rollouts being merged, the fidelity stage).
+LIVE = (
+    "polar_mitm.addons",
+    "polar_mitm.call",
+    "polar_mitm.control",
+    "polar_mitm.trajectory.rollouts",
+    "polar_mitm.tokens.fidelity",
+)
+
+
+def modules(root: Path) -> dict[str, tuple[Path, bool]]:
+    """Every module under `root/polar_mitm`: dotted name -> (file, is a package's __init__)."""
+    out = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the polar_mitm modules it imports (anywhere in the file; `from a import b`
+    counts as importing `a.b` when that is a module). Parent packages a dotted import loads
+    implicitly are not edges: every `__init__` would otherwise import its own children's users."""
+    mods = modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, (path, is_pkg) in mods.items():
+        package = name if is_pkg else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods]
+                edges.update(subs)
+                if len(subs) < len(node.names):
+                    edges.add(target)
+        graph[name] = {e for e in edges if e in mods and e != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def reach(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module `start` imports, directly or not -> the module that imports it (for the message)."""
+    seen: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        v = todo.pop()
+        for w in sorted(graph[v]):
+            if w not in seen and w != start:
+                seen[w] = v
+                todo.append(w)
+    return seen
+
+
+def under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def violations(root: Path) -> list[str]:
+    """Every broken house rule, one line each (empty when the tree keeps them all)."""
+    graph = import_graph(root)
+    out = [f"import cycle: {' <-> '.join(c)}" for c in cycles(graph)]
+    for module in sorted(graph):
+        if under(module, ("polar_mitm.cli",)):
+            rule, banned = "the CLI reads the store, never the proxy's live modules", LIVE
+        elif not under(module, ("polar_mitm.addons",)):
+            rule, banned = "only addons/ imports addons/", ("polar_mitm.addons",)
+        else:
+            continue
+        for target, via in sorted(reach(graph, module).items()):
+            if under(target, banned):
+                out.append(f"{module} imports {target} (via {via}): {rule}")
+    return out
+
+
+def test_polar_mitm_keeps_the_house_rules() -> None:
+    found = violations(ROOT)
+    assert not found, "\n".join(found)
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / PACKAGE / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for d in [p for p in (tmp_path / PACKAGE).rglob("*") if p.is_dir()] + [tmp_path / PACKAGE]:
+        (d / "__init__.py").touch()
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # a cycle tied by a deferred import
+            {
+                "store/writer.py": "from .recovery import scan\n",
+                "store/recovery.py": "def recover():\n    from .writer import Store\n",
+            },
+            "import cycle: polar_mitm.store.recovery <-> polar_mitm.store.writer",
+        ),
+        (  # the CLI reaching a live module through a helper
+            {
+                "cli/app.py": "from polar_mitm.tokens import helper\n",
+                "tokens/helper.py": "from ..call.record import CallRecord\n",
+                "call/record.py": "",
+            },
+            "polar_mitm.cli.app imports polar_mitm.call.record (via polar_mitm.tokens.helper)",
+        ),
+        (  # a call module importing an addon, by `import`
+            {"call/exchange.py": "import polar_mitm.addons.capture\n", "addons/capture.py": ""},
+            "polar_mitm.call.exchange imports polar_mitm.addons.capture",
+        ),
+        (  # `from package import module` is an edge to the module
+            {"call/gateway.py": "from ..addons import store\n", "addons/store.py": ""},
+            "polar_mitm.call.gateway imports polar_mitm.addons.store",
+        ),
+    ],
+)
+def test_a_planted_violation_is_found(tmp_path: Path, files: dict[str, str], expected: str) -> None:
+    found = violations(_plant(tmp_path, files))
+    assert any(line.startswith(expected) for line in found), found
+    # and the same tree without the planted files keeps the rules
+    assert violations(_plant(tmp_path / "clean", {"store/writer.py": ""})) == []
