@@ -1,5 +1,11 @@
 """`CaptureAddon`: detects LLM calls on `polar_hosts`, sends them to the policy server through the
-in-process gateway, answers the other paths of those hosts."""
+in-process gateway, answers the other paths of those hosts.
+
+Over 500 lines because `CaptureAddon` is one mitmproxy addon: its eight options, their checks in
+`configure`, and the hooks of one flow (`request` -> `_start_call` -> `responseheaders` /
+`error` -> `_call_done`) share the flow's state and the gateway, so splitting the hooks apart
+would split one call's lifecycle across files. The work itself is in `call/` and `dialects/`.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,11 @@ to the policy server, moves the token fields into the record as they arrive, and
 harness's reply to an `Output` while it streams. Every way a call can end — reply complete,
 upstream error, upstream gone mid-stream, harness gone — ends in exactly one `finish`, so each
 call leaves one record, and the harness always gets a well-formed answer in its own dialect.
+
+Over 500 lines because `Call` is one call's state machine: every way a call can end (reply
+complete, upstream error, upstream gone mid-stream, harness gone) runs through its one
+`finish`, and keeping all those paths in one class is what lets a reader check "exactly one
+record per call" in one file. Wire parsing is in `sse`, the dialects and `upstream/`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""`polar-mitm`: set up harness containers, run the reference policy server, inspect shards."""
+"""`polar-mitm`: set up harness containers, run the reference policy server, inspect shards.
+
+Over 500 lines because it is the whole command surface in one place: the click commands, their
+options and help texts (which are the user's documentation, `polar-mitm --help`), and nothing
+else; each command's logic is in its own module beside it (`tables`, `show`, `summary`,
+`rewards`, `report_html`, `fidelity_report`, `captured`) or in `export/`.
+"""
 
 from __future__ import annotations
 

@@ -25,6 +25,11 @@ from clients that drop the plain text. A call of a custom tool becomes a `custom
 whose `input` is the `input` argument (streamed as `custom_tool_call_input.delta` while it is
 being written); `length` ends the stream with `response.incomplete` (`max_output_tokens`), as
 OpenAI does; an upstream failure mid-stream ends it with `response.failed`.
+
+Over 500 lines because a dialect is one module (so a new harness API is one new file) and
+Responses is the largest API both ways: request items, tool namespaces and custom tools on the
+way in, reasoning / custom-tool / incomplete events on the way out, sharing one tool naming
+(`_Tools`, `ToolRef`). What every dialect shares is in `base`, `blocks`, `convert`, `assemble`.
 """
 
 from __future__ import annotations

@@ -20,6 +20,11 @@ Two locks, always taken in this order: ``_jlock`` around a journal write+fsync a
 under ``_jlock``, so a rotation never closes a segment whose rows are not yet pending (which would
 let the manifest claim rows that no shard holds); conversion to Arrow needs only ``_lock``, so it
 overlaps the GIL-free write and fsync of the next batch.
+
+Over 500 lines because the Store's commit protocol (journal -> shards -> manifest -> delete
+segments) and its lock order are one invariant that every method of the two threads keeps;
+it is read in one file on purpose. The parts that stand alone are already apart: `journal`,
+`shards`, `recovery`, `remote`, `reader`, `schema`.
 """
 
 from __future__ import annotations
