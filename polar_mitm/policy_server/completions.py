@@ -44,6 +44,7 @@ class TokenInHost(Protocol):
     renderer: Renderer
     scenario: Scenario
     max_model_len: int
+    limits: str  # how the context limits apply: a vLLM version or "sglang" (versions.py)
     served_model: str
     wire: Wire
     control: Any  # server.Control: its ``stats`` counter
