@@ -31,6 +31,11 @@ stop reason and usage, `message_stop`. A thinking block's `signature` is the thi
 (`convert.seal`), so with `thinking.display: "omitted"` (Claude Code's setting) the text is not
 streamed yet still comes back next turn. An upstream failure mid-stream ends the stream with an
 `error` event, which the SDKs raise.
+
+Just over 500 lines because a dialect is one module (so a new harness API is one new file): the
+request translation, Claude Code's purposes (side calls, sub-agents, its compaction: markers in
+`compaction`) and the event stream belong together; what every dialect shares is in `base`,
+`blocks`, `convert`, `assemble`.
 """
 
 from __future__ import annotations
