@@ -56,7 +56,10 @@ def is_trigger(item: Any) -> bool:
 
 
 def is_summary_item(item: Any) -> bool:
-    return isinstance(item, dict) and item.get("type") in ITEM_TYPES
+    # a frozenset lookup of a JSON value: an unhashable "type" (a list, an object) is no match
+    return (
+        isinstance(item, dict) and isinstance(item.get("type"), str) and item["type"] in ITEM_TYPES
+    )
 
 
 def summary_message(summary: str | None) -> str:
