@@ -70,12 +70,13 @@ polar_venv() {
 
 # The real-model mode (docs/realmodel.md): llama-cpp-python and the SmolLM2 GGUF, in their own step
 # so the rest of the suite runs without them. llama-cpp-python has no wheel on PyPI: it is built
-# once from the sdist (about 5 minutes on 2 cores, niced) into .cache/wheels/ and installed from
-# there; GGML_NATIVE=OFF so the wheel runs on any x86-64 machine, not only the one that built it.
+# once from the sdist (about 5 minutes on 2 cores, niced) into a cache outside the checkout
+# ($POLAR_WHEEL_DIR, default ~/.cache/polar-mitm/wheels: a fresh clone, CI's included, reuses it)
+# and installed from there; GGML_NATIVE=OFF so the wheel runs on any x86-64 machine.
 POLAR_LLAMA_CPP_VERSION="0.3.36"
 
 polar_llama_wheel() {
-    local py="$1" wheels=".cache/wheels" whl
+    local py="$1" wheels="${POLAR_WHEEL_DIR:-$HOME/.cache/polar-mitm/wheels}" whl
     whl="$(ls "$wheels"/llama_cpp_python-"$POLAR_LLAMA_CPP_VERSION"-*.whl 2>/dev/null | head -1)"
     if [ -z "$whl" ]; then
         echo "building llama-cpp-python $POLAR_LLAMA_CPP_VERSION from source into $wheels (about 5 minutes)" >&2

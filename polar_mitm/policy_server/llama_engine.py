@@ -55,7 +55,7 @@ def _llama_cpp():
     except ImportError as e:
         raise EngineError(
             "the real-model mode needs llama-cpp-python: ./scripts/test.sh installs it "
-            "(built once from source into .cache/wheels), or pip install -e '.[realmodel]' "
+            "(built once from source into ~/.cache/polar-mitm/wheels), or pip install -e '.[realmodel]' "
             f"({e})"
         ) from None
     return llama_cpp
