@@ -75,7 +75,19 @@ def _read_dataset(data: Path, name: str) -> pa.Table | None:
     if not paths:
         return None
     tables = [pq.read_table(p) for p in paths]
-    return pa.concat_tables(tables, promote_options="default")
+    table = pa.concat_tables(tables, promote_options="default")
+    # Schema 2 stores a call's prompt ids and request as what it adds to the call before
+    # (docs/store.md): give them back whole with the store's own resolver (numpy + pyarrow only,
+    # loaded by path: this venv has no polar_mitm install).
+    return _store_delta().resolve(table) if name == "calls" else table
+
+
+def _store_delta() -> Any:
+    path = Path(__file__).resolve().parent.parent / "polar_mitm" / "store" / "delta.py"
+    spec = importlib.util.spec_from_file_location("polar_store_delta", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _dedupe(rows: list[dict], key: str, revision: str | None = None) -> list[dict]:
