@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from train_check import stats  # same folder: train_check puts it on sys.path
 
 CLIP = 0.2
 
@@ -166,18 +167,6 @@ def recompute_log_probs(model: Any, batch: Any):
     return torch.stack(rows)
 
 
-def _stats(a: np.ndarray) -> dict[str, float]:
-    if a.size == 0:
-        return {"n": 0}
-    return {
-        "n": int(a.size),
-        "mean": float(a.mean()),
-        "p50": float(np.quantile(a, 0.5)),
-        "p99": float(np.quantile(a, 0.99)),
-        "max": float(a.max()),
-    }
-
-
 def prepare(data: Path, polar_mitm: str | None) -> Any:
     """The DataProto to train on, checked before any model is loaded (errors come fast)."""
     DataProto, *_ = verl_modules()
@@ -262,7 +251,7 @@ def run(model: Any, batch: Any, low: float, high: float) -> dict[str, Any]:
         "advantages": row_adv,
         "groups": groups,
         "policy_tokens": int(mask.sum()),
-        "exact_ids": _stats(delta),
+        "exact_ids": stats(delta),
         "ratios": {
             "n": int(r.size),
             "mean": float(r.mean()),

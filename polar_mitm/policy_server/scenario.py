@@ -98,13 +98,13 @@ class Match:
         last_user_text: str = "",
         all_text: str = "",
     ) -> bool:
-        if self.system_contains is not None and self.system_contains not in system_text:
-            return False
-        if self.user_contains is not None and self.user_contains not in first_user_text:
-            return False
-        if self.last_user_contains is not None and self.last_user_contains not in last_user_text:
-            return False
-        if self.text_contains is not None and self.text_contains not in all_text:
+        wanted = (
+            (self.system_contains, system_text),
+            (self.user_contains, first_user_text),
+            (self.last_user_contains, last_user_text),
+            (self.text_contains, all_text),
+        )
+        if any(needle is not None and needle not in text for needle, text in wanted):
             return False
         return self.tools_include is None or self.tools_include in tool_names
 
