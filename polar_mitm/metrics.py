@@ -61,6 +61,8 @@ METRICS = {
     "polar_tokens_prompted_total": "prompt tokens sent to the policy (prompt ids), by dialect",
     "polar_time_to_first_byte_seconds": "harness's time to first byte, by dialect",
     "polar_added_latency_seconds": "the proxy's share of the time to first byte",
+    "polar_durable_hold_seconds": "how long a completed reply's last event waited for its "
+    "record's fsync (polar_durable_replies)",
     "polar_fidelity_flags_total": "calls carrying each fidelity flag",
     "polar_fidelity_checked_calls_total": "calls the fidelity checks ran on with the tokenizer",
     "polar_upstream_errors_total": "calls that failed at the upstream, by kind",
@@ -143,6 +145,12 @@ class ProxyMetrics:
             buckets=ADDED_BUCKETS,
             registry=r,
         )
+        self.hold = Histogram(
+            "polar_durable_hold_seconds",
+            METRICS["polar_durable_hold_seconds"],
+            buckets=ADDED_BUCKETS,
+            registry=r,
+        )
         r.register(_Live(control, rollouts, store))
         self._harness: dict[str, str] = {}  # user-agent -> harness name
         self._calls: dict[tuple[str, str, str, str], Any] = {}  # labels -> counter child
@@ -194,6 +202,10 @@ class ProxyMetrics:
         added = (r.first_byte_at - r.started_at) - (first - sent)
         if added >= 0:
             self.added.observe(added / 1e6)
+
+    def durable_hold(self, waited_us: int) -> None:
+        """How long a completed reply's last event waited for its record to be durable."""
+        self.hold.observe(waited_us / 1e6)
 
     def _harness_of(self, headers_json: str | None) -> str:
         """The harness from the User-Agent (found in the headers' JSON text without parsing it

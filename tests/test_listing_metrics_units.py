@@ -105,6 +105,8 @@ def test_metrics_of_records_and_upstream_error_kinds():
     call = SimpleNamespace(record=record(), upstream_sent_at=0, upstream_first_at=20_000)
     call.record.started_at, call.record.first_byte_at = 0, 21_500
     m.added_latency(call)
+    m.durable_hold(3_000)
+    m.durable_hold(1_000)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for f in text_string_to_metric_families(m.exposition().decode())
@@ -119,6 +121,9 @@ def test_metrics_of_records_and_upstream_error_kinds():
     assert samples[("polar_fidelity_checked_calls_total", ())] == 3
     assert samples[("polar_upstream_errors_total", (("kind", "http_5xx"),))] == 1
     assert samples[("polar_added_latency_seconds_sum", ())] == pytest.approx(0.0015)
+    assert samples[("polar_added_latency_seconds_count", ())] == 1
+    assert samples[("polar_durable_hold_seconds_sum", ())] == pytest.approx(0.004)
+    assert samples[("polar_durable_hold_seconds_count", ())] == 2
     assert samples[("polar_rollouts_open", ())] == 1 and samples[("polar_calls_in_flight", ())] == 0
     assert upstream_error_kind(record(status="error", error="bad request: no messages")) is None
     for error, kind in [

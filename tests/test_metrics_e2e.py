@@ -100,7 +100,9 @@ def test_metrics_match_the_calls_table_and_top_shows_them(tmp_path: Path, confdi
         deadline = time.monotonic() + 60
         m = scrape(url)
         while time.monotonic() < deadline and (
-            total(m, "polar_calls_total") < 7 or total(m, "polar_journal_lag_records") > 0
+            total(m, "polar_calls_total") < 7
+            or total(m, "polar_journal_lag_records") > 0
+            or total(m, "polar_shard_flushes_total") < 1  # counted just after the lag falls
         ):
             time.sleep(0.2)
             m = scrape(url)
@@ -145,6 +147,7 @@ def test_metrics_match_the_calls_table_and_top_shows_them(tmp_path: Path, confdi
     )
     reached = [c for c in calls if c["status"] == "completed"]
     assert total(m, "polar_added_latency_seconds_count") == len(reached) == 6
+    assert total(m, "polar_durable_hold_seconds_count") == len(reached), m  # each completed reply
     checked = [c for c in calls if checked_with_tokenizer(c["fidelity_json"])]
     assert total(m, "polar_fidelity_checked_calls_total") == len(checked) == 6
     flags = Counter((f,) for c in calls for f in c["fidelity_flags"])

@@ -389,6 +389,8 @@ class CaptureAddon:
             self.max_model_len,
         )
         call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
+        if self.metrics is not None:
+            call.on_hold = self.metrics.durable_hold
         self.live[record.call_id] = call
         if self.control is not None:
             self.control.call_started(record.call_id, record.rollout_id)

@@ -158,6 +158,8 @@ class Call:
         # upstream's own time to first byte, for the added-latency metric (metrics.py)
         self.upstream_sent_at: int | None = None
         self.upstream_first_at: int | None = None
+        # told how long a completed reply's end waited for its record to be durable (`_durable`)
+        self.on_hold: Callable[[int], None] | None = None
 
     # -- driving the call -------------------------------------------------------------------
 
@@ -412,8 +414,11 @@ class Call:
             asyncio.wrap_future(r) if isinstance(r, concurrent.futures.Future) else r
             for r in receipts
         ]
+        began = now_us()
         try:
             await asyncio.wait_for(asyncio.gather(*waits), DURABLE_WAIT_S)
+            if self.on_hold is not None:
+                self.on_hold(now_us() - began)
         except TimeoutError:
             log.warning(
                 "polar-mitm: call %s: the record is not durable after %gs (journal stuck?); "
