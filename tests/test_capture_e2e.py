@@ -230,6 +230,24 @@ def test_other_traffic_passes_byte_for_byte(make_policy_server, make_mitm, tmp_p
     assert calls_of(mitm) == []
 
 
+def test_the_proxy_warms_up_before_it_says_it_is_capturing(make_policy_server, make_mitm):
+    """The warm-up (addons/warmup.py) runs its request through the proxy before the line scripts
+    wait for, and leaves no record; only the proxy's own request is routed to the gateway."""
+    server = make_policy_server(SCENARIO)
+    mitm = make_mitm(server.url, polar_tokenizer=str(qwen3_tokenizer_dir()))
+    log = mitm.proc.output()
+    assert "polar-mitm: warmed up in" in log and "(the gateway answered 404)" in log, log
+    assert log.index("polar-mitm: warmed up in") < log.index("polar-mitm: capturing"), log
+    with http_client(mitm) as c:
+        # without the proxy's nonce a request to the warm-up host is not routed anywhere local
+        assert c.get("https://polar.warmup/").status_code == 502
+    run_tool_conversation(openai_client(mitm, api_key="polar-warm.0"), stream=True, turns=1)
+    assert mitm.stop() == 0
+    assert [c["rollout_id"] for c in calls_of(mitm)] == ["warm.0"]
+    cold = make_mitm(server.url, polar_warmup="false")
+    assert "warmed up" not in cold.proc.output()
+
+
 def test_bad_input_and_unreachable_upstream(make_policy_server, make_mitm):
     server = make_policy_server(SCENARIO)
     mitm = make_mitm(server.url)

@@ -44,6 +44,7 @@ from .identity import RolloutIdentityAddon
 from .options import _errors, _seconds, log
 from .retokenize import RetokenizeAddon
 from .tokenizer import TokenizerAddon
+from .warmup import WarmUpAddon
 
 # ab.chatgpt.com is Codex's telemetry (OpenTelemetry metrics, docs/harness-wire-notes.md): it has
 # no LLM endpoint, so listing it answers all of it locally and no rollout leaks telemetry.
@@ -99,6 +100,8 @@ class CaptureAddon:
         self.max_model_len: int | None = None  # the served model's, from GET /v1/models
         self.live: dict[str, Call] = {}
         self.metrics: ProxyMetrics | None = None  # observes each call's added latency
+        self.warmup: WarmUpAddon | None = None  # runs once the gateway listens
+        self._announcing: asyncio.Task | None = None
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -206,6 +209,15 @@ class CaptureAddon:
         if self.auto_base is not None:
             await self._probe_kind(announce=True)
         model = await self._served_model(announce=True)
+        # A task: mitmproxy's TlsConfig reloads its certificate store in its own running hook,
+        # after the scripts' (55 ms here, and it drops certificates made before), so the warm-up
+        # and the "capturing" line that scripts wait for come once every running hook is done.
+        self._announcing = asyncio.get_running_loop().create_task(self._announce(model))
+
+    async def _announce(self, model: str | None) -> None:
+        await asyncio.sleep(0)
+        if self.warmup is not None:
+            await self.warmup.run(self.gateway, self.hosts)
         upstream = self.upstream
         fallback = f"; {self.retokenize.describe()}" if self.retokenize is not None else ""
         log.info(
@@ -232,6 +244,8 @@ class CaptureAddon:
             )
 
     async def done(self) -> None:
+        if self._announcing is not None and not self._announcing.done():
+            self._announcing.cancel()
         for call in list(self.live.values()):
             call.abort("the proxy shut down mid-call", status="incomplete")
         if self.retokenize is not None:

@@ -17,6 +17,7 @@ from .setup import ProxySetup
 from .store import StoreAddon
 from .tokenizer import TokenizerAddon
 from .trajectory import TrajectoryAddon
+from .warmup import WarmUpAddon
 
 
 def polar_addons() -> list[object]:
@@ -42,6 +43,8 @@ def polar_addons() -> list[object]:
         exact=exact,
     )
     capture.metrics = metrics.metrics
+    warmup = WarmUpAddon()
+    capture.warmup = warmup  # its running() warms the proxy before it says it is capturing
     control = ControlAddon(state, trajectory.rollouts, settle=stage.drain, metrics=metrics)
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
     # calls, then pending retokenizations and fidelity checks drain, the trajectories write the
@@ -52,6 +55,7 @@ def polar_addons() -> list[object]:
         tokenizer,
         exact,
         control,
+        warmup,
         capture,
         retokenize,
         fidelity,

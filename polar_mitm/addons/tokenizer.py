@@ -1,11 +1,11 @@
-"""`TokenizerAddon`: loads the policy tokenizer (`polar_tokenizer`)."""
+"""`TokenizerAddon`: loads the policy tokenizer (`polar_tokenizer`) and warms it at start-up."""
 
 from __future__ import annotations
 
 from mitmproxy import ctx
 
 from ..tokens.tokenizer import PolicyTokenizer, TokenizerError, load_tokenizer
-from .options import _errors
+from .options import _errors, log
 
 
 class TokenizerAddon:
@@ -33,3 +33,8 @@ class TokenizerAddon:
             self.tokenizer = load_tokenizer(spec)
         except TokenizerError as e:
             _errors.fail(f"polar_tokenizer: {e}")
+            return
+        try:
+            self.tokenizer.warm()  # at start-up, before the proxy says it is capturing
+        except Exception as e:  # a template that cannot render a plain turn is no reason to stop
+            log.warning("polar_tokenizer: warm-up render failed: %s", e)

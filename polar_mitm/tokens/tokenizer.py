@@ -119,6 +119,14 @@ class PolicyTokenizer:
             **kwargs,
         )
 
+    def warm(self) -> None:
+        """Run each code path once (the chat template compiles on its first render, the
+        encoder builds its caches on its first call), so the first call pays nothing more."""
+        text = "warm-up"
+        if self.has_chat_template:
+            text = self.render([{"role": "user", "content": text}], None, {})
+        self.decode(self.encode(text))
+
     @property
     def has_chat_template(self) -> bool:
         return self.kind == "hf" and bool(getattr(self.impl, "chat_template", None))
