@@ -106,7 +106,7 @@ class Chain:
         "break_detail",
         "tokens",
         "mask",
-        "logprobs",
+        "policy_logprobs",
         "calls",
         "call_offsets",
         "output_offsets",
@@ -136,7 +136,9 @@ class Chain:
         self.break_detail = break_detail
         self.tokens = array("i")
         self.mask = array("b")
-        self.logprobs = array("f")
+        # the sampled tokens' logprobs only, in order: an agent chain is mostly environment
+        # tokens, whose 0.0 would cost 4 bytes each for as long as the rollout is open
+        self.policy_logprobs = array("f")
         self.calls: list[CallFacts] = []
         self.call_offsets = array("i")  # where each call's new tokens start
         self.output_offsets = array("i")  # where each call's sampled tokens start
@@ -155,6 +157,18 @@ class Chain:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def logprobs(self) -> array:
+        """Aligned with `tokens`: each call's sampled tokens have their logprobs, the rest 0.0
+        (built when asked: for the trace row)."""
+        out = array("f", bytes(4 * len(self.tokens)))
+        src, j = self.policy_logprobs, 0
+        ends = [*self.call_offsets[1:], len(self.tokens)]
+        for start, end in zip(self.output_offsets, ends, strict=True):
+            out[start:end] = src[j : j + end - start]
+            j += end - start
+        return out
 
     @property
     def call_ids(self) -> list[str]:
@@ -356,12 +370,11 @@ class Merger:
         chain.call_offsets.append(len(chain))
         chain.tokens.extend(p[start:] if start else p)
         chain.mask.frombytes(bytes(env))
-        chain.logprobs.frombytes(bytes(4 * env))  # 0.0 is four zero bytes
         chain.output_offsets.append(len(chain))
         k = len(out)
         chain.tokens.extend(out)
         chain.mask.frombytes(_POLICY * k)
-        chain.logprobs.extend(_aligned(logprobs, k))
+        chain.policy_logprobs.extend(_aligned(logprobs, k))
         chain.calls.append(facts)
         chain.last_request, chain._view = request_json, parsed
         self._hash_blocks(chain)
