@@ -37,7 +37,7 @@ import json
 import sys
 import uuid
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +105,6 @@ class Chain:
         "break_reason",
         "break_detail",
         "tokens",
-        "mask",
         "policy_logprobs",
         "calls",
         "call_offsets",
@@ -135,7 +134,6 @@ class Chain:
         self.break_reason = break_reason
         self.break_detail = break_detail
         self.tokens = array("i")
-        self.mask = array("b")
         # the sampled tokens' logprobs only, in order: an agent chain is mostly environment
         # tokens, whose 0.0 would cost 4 bytes each for as long as the rollout is open
         self.policy_logprobs = array("f")
@@ -158,14 +156,27 @@ class Chain:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def _sampled(self) -> Iterator[tuple[int, int]]:
+        """(start, end) of each call's sampled tokens: from its output offset to the next
+        call's first token (the chain's end for the last call)."""
+        return zip(self.output_offsets, [*self.call_offsets[1:], len(self.tokens)], strict=True)
+
+    @property
+    def mask(self) -> array:
+        """The loss mask, aligned with `tokens`: 1 on each call's sampled tokens, 0 on the
+        rest (built when asked, for the trace row: the offsets say it all)."""
+        out = array("b", bytes(len(self.tokens)))
+        for start, end in self._sampled():
+            out[start:end] = array("b", _POLICY * (end - start))
+        return out
+
     @property
     def logprobs(self) -> array:
         """Aligned with `tokens`: each call's sampled tokens have their logprobs, the rest 0.0
         (built when asked: for the trace row)."""
         out = array("f", bytes(4 * len(self.tokens)))
         src, j = self.policy_logprobs, 0
-        ends = [*self.call_offsets[1:], len(self.tokens)]
-        for start, end in zip(self.output_offsets, ends, strict=True):
+        for start, end in self._sampled():
             out[start:end] = src[j : j + end - start]
             j += end - start
         return out
@@ -176,7 +187,7 @@ class Chain:
 
     @property
     def policy_tokens(self) -> int:
-        return self.mask.count(1)
+        return len(self.policy_logprobs)  # one per sampled token
 
     def locate(self, pos: int) -> tuple[int, str]:
         """(index of the call whose tokens hold position `pos`, "env" | "policy" | "end")."""
@@ -366,14 +377,11 @@ class Merger:
         request_json: str | None,
         parsed: Parsed = None,
     ) -> None:
-        env = len(p) - start
         chain.call_offsets.append(len(chain))
         chain.tokens.extend(p[start:] if start else p)
-        chain.mask.frombytes(bytes(env))
         chain.output_offsets.append(len(chain))
         k = len(out)
         chain.tokens.extend(out)
-        chain.mask.frombytes(_POLICY * k)
         chain.policy_logprobs.extend(_aligned(logprobs, k))
         chain.calls.append(facts)
         chain.last_request, chain._view = request_json, parsed
