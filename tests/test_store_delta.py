@@ -123,6 +123,59 @@ def test_a_prompt_that_does_not_extend_the_last_call_is_stored_whole(tmp_path: P
     ]
 
 
+def test_the_merge_names_the_base_and_the_encoder_keeps_no_ids(tmp_path: Path) -> None:
+    """Rows from the proxy: records merged by the real `Rollouts` carry the merge's base
+    (`Placement.base`), so the encoder slices without a copy of the rollout's ids, also across
+    chains (a break's base is its parent chain's last call). A base not yet journaled (the
+    fidelity worker can finish calls out of order) means the row is stored whole."""
+    from polar_mitm.call.record import CallRecord
+    from polar_mitm.store.delta import DELTA_BASE, PromptDelta
+    from polar_mitm.trajectory.rollouts import Rollouts
+
+    rows = session("a", 4, 1)
+    branch = {**rows[2], "call_id": "a-branch"}  # turn 2 again, another reply: a new chain
+    branch["prompt_token_ids"] = rows[2]["prompt_token_ids"][:-200] + [7] * 300
+    rollouts = Rollouts(lambda rows: None)
+    records = []
+    for row in [*rows, branch]:
+        record = CallRecord(**{k: v for k, v in row.items()})
+        record.status = "completed"
+        rollouts.call_finished(record)
+        records.append(record)
+    bases = {r.call_id: r.delta_base for r in records}
+    assert bases["a-0"] is None
+    assert bases["a-1"][:2] == ("a-0", 2030) and bases["a-3"][:2] == ("a-2", 2000 + 2 * 530 + 30)
+    assert bases["a-branch"][0] == "a-3"  # the main chain's last call holds the shared prefix
+    out_of_order = [records[0], records[2], records[1], records[3], records[4]]
+    with Store(tmp_path) as store:
+        for record in out_of_order:
+            assert DELTA_BASE in record.to_row() or record.delta_base is None
+            store.append("calls", record.to_row())
+    stored = {
+        r["call_id"]: r
+        for path in list_shards(tmp_path, "calls")
+        for r in pq.read_table(path).to_pylist()
+    }
+    assert DELTA_BASE not in next(iter(stored.values()))
+    assert stored["a-2"]["base_call_id"] is None  # its base a-1 came after it: stored whole
+    assert stored["a-1"]["base_call_id"] == "a-0" and stored["a-3"]["base_call_id"] == "a-2"
+    assert stored["a-branch"]["base_call_id"] == "a-3"
+    assert len(stored["a-branch"]["prompt_token_ids"]) == 300
+    back = {r["call_id"]: r for r in read_table(tmp_path, "calls").to_pylist()}
+    for row in [*rows, branch]:
+        assert back[row["call_id"]]["prompt_token_ids"] == row["prompt_token_ids"]
+        assert back[row["call_id"]]["request_json"] == row["request_json"]
+    from polar_mitm.store.journal import prepare_row
+
+    hinted, plain = PromptDelta(), PromptDelta()  # what each holds of the rollout
+    for record in records:
+        row = prepare_row("calls", record.to_row())
+        hinted.encode("calls", row)
+        plain.encode("calls", {k: v for k, v in row.items() if k != DELTA_BASE})
+    assert hinted._seen["a"].last[1] is None  # the merge's chain has the ids
+    assert len(plain._seen["a"].last[1]) == len(branch["prompt_token_ids"]) + 30
+
+
 def test_a_missing_base_reads_back_null_with_a_warning(tmp_path: Path, caplog) -> None:
     rows = session("a", 3, 1)
     with Store(tmp_path) as store:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from .. import fastjson
+from ..store.delta import DELTA_BASE
 
 log = logging.getLogger(__name__)
 REDACTED = "[redacted]"
@@ -102,6 +103,9 @@ class CallRecord:
     response_json: str | None = None
     headers_json: str | None = None
     translation_notes: list[str] = field(default_factory=list)
+    # not a column: the merge's word on which call this one extends (`Placement.base`), for the
+    # store's delta encoding (see `to_row`, store/delta.py)
+    delta_base: tuple[str, int, str | None] | None = field(default=None, repr=False)
 
     def mark_first_byte(self) -> None:
         if self.first_byte_at is None:
@@ -128,7 +132,13 @@ class CallRecord:
         self.fidelity_json = json.dumps(data, ensure_ascii=False)
 
     def to_row(self) -> dict[str, Any]:
-        return asdict(self)
+        """The calls/ row: the columns, and the merge's delta base under `DELTA_BASE` (the
+        journal thread's encoder takes it out; it is never stored)."""
+        row = asdict(self)
+        base = row.pop("delta_base")
+        if base is not None:
+            row[DELTA_BASE] = base
+        return row
 
     def conform(self) -> None:
         """Make every field fit its column, so the store can never reject the row.

@@ -40,6 +40,11 @@ MIN_SHARED_IDS, MIN_SHARED_CHARS = 64, 256
 # Rollouts whose last call the encoder keeps (least recently used dropped first): bounds the
 # journal thread's memory when rollouts never end; a dropped one starts again in full.
 MAX_ROLLOUTS = 4096
+# The row key under which a calls row brings the merge's base (`CallRecord.to_row`): no column,
+# never journaled. This module imports nothing of the package (scripts/train_check.py loads it).
+DELTA_BASE = "_delta_base"
+# Call ids per rollout the encoder remembers as journaled (a base older than these: stored whole).
+MAX_BASES = 256
 
 BASE_COLUMNS = ("base_call_id", "prompt_base_len", "request_base_prefix", "request_base_suffix")
 # What a read of a column needs besides it to give it back whole.
@@ -85,19 +90,46 @@ def _ids(value: Any) -> np.ndarray | None:
     return None
 
 
+class _Seen:
+    """What the encoder keeps of one rollout: its recently journaled call ids (a base must be one
+    of them: journaled before the call that rests on it) and its last call, for rows that come
+    without the merge's base (`DELTA_BASE`)."""
+
+    __slots__ = ("ids", "last")
+
+    def __init__(self) -> None:
+        self.ids: OrderedDict[str, None] = OrderedDict()
+        # (call_id, prompt + output ids, request_json) of the last call; the ids only when
+        # the row came without the merge's base (with it, the chain in the merge holds them)
+        self.last: tuple[str, np.ndarray | None, str | None] | None = None
+
+    def journaled(self, call_id: str) -> None:
+        self.ids[call_id] = None
+        while len(self.ids) > MAX_BASES:
+            self.ids.popitem(last=False)
+
+
 class PromptDelta:
-    """The journal thread's encoder: one per `Store`, used by that thread alone."""
+    """The journal thread's encoder: one per `Store`, used by that thread alone.
+
+    A calls row from the proxy carries the trajectory merge's word on which call it extends and
+    by how many ids (`DELTA_BASE`: the merge compared the ids exactly, and keeps them in its
+    chains), so the encoder need not keep a copy of every open rollout's ids: it checks that
+    the base was journaled first and slices. A row without it (another producer, a test) is
+    compared with the rollout's previous row, whose ids the encoder then keeps."""
 
     def __init__(self, max_rollouts: int = MAX_ROLLOUTS) -> None:
-        # rollout -> (call_id, prompt + output ids, request_json) of its last call
-        self._last: OrderedDict[str, tuple[str, np.ndarray | None, str | None]] = OrderedDict()
+        self._seen: OrderedDict[str, _Seen] = OrderedDict()
         self._max = max_rollouts
 
     def encode(self, dataset: str, row: dict[str, Any]) -> dict[str, Any]:
         """The row to journal (a new dict when encoded; `row` is never changed). A traces row
         ends its rollout here: its calls are all in, nothing will extend them."""
+        hint = row.get(DELTA_BASE)
+        if hint is not None:
+            row = {k: v for k, v in row.items() if k != DELTA_BASE}
         if dataset == "traces":
-            self._last.pop(str(row.get("rollout_id")), None)
+            self._seen.pop(str(row.get("rollout_id")), None)
             return row
         rollout, call_id = row.get("rollout_id"), row.get("call_id")
         if dataset != "calls" or not isinstance(rollout, str) or not isinstance(call_id, str):
@@ -106,13 +138,20 @@ class PromptDelta:
             return row
         prompt, request = _ids(row.get("prompt_token_ids")), row.get("request_json")
         request = request if isinstance(request, str) else None
+        seen = self._seen.get(rollout)
+        if seen is None:
+            seen = self._seen[rollout] = _Seen()
         changes: dict[str, Any] = {}
-        base = self._last.get(rollout)
-        if base is not None and base[0] != call_id:  # the same call twice: a crash's duplicate
-            _, base_seq, base_request = base
-            if prompt is not None and base_seq is not None:
-                n = shared_prefix(base_seq, prompt)
-                if n >= MIN_SHARED_IDS:
+        base_id, base_seq_len, base_seq, base_request = None, 0, None, None
+        if hint is not None:
+            if hint[0] in seen.ids and hint[0] != call_id:
+                base_id, base_seq_len, base_request = hint
+        elif seen.last is not None and seen.last[0] != call_id:  # the same call twice: a
+            base_id, base_seq, base_request = seen.last  # crash's duplicate
+        if base_id is not None:
+            if prompt is not None:
+                n = shared_prefix(base_seq, prompt) if base_seq is not None else base_seq_len
+                if MIN_SHARED_IDS <= n <= len(prompt):
                     changes["prompt_token_ids"] = array("i", prompt[n:].tobytes())
                     changes["prompt_base_len"] = n
             if request is not None and base_request is not None:
@@ -121,15 +160,18 @@ class PromptDelta:
                     changes["request_json"] = request[p : len(request) - q]
                     changes["request_base_prefix"], changes["request_base_suffix"] = p, q
             if changes:
-                changes["base_call_id"] = base[0]
-        output = _ids(row.get("output_token_ids"))
-        seq = prompt
-        if prompt is not None and output is not None and len(output):
-            seq = np.concatenate([prompt, output])
-        self._last[rollout] = (call_id, seq, request)
-        self._last.move_to_end(rollout)
-        while len(self._last) > self._max:
-            self._last.popitem(last=False)
+                changes["base_call_id"] = base_id
+        seq = None
+        if hint is None:
+            output = _ids(row.get("output_token_ids"))
+            seq = prompt
+            if prompt is not None and output is not None and len(output):
+                seq = np.concatenate([prompt, output])
+        seen.last = (call_id, seq, request)
+        seen.journaled(call_id)
+        self._seen.move_to_end(rollout)
+        while len(self._seen) > self._max:
+            self._seen.popitem(last=False)
         return {**row, **changes} if changes else row
 
 

@@ -92,6 +92,9 @@ class Placement:
     env_tokens: int
     policy_tokens: int
     detail: dict[str, Any] | None = None
+    # (call id, n, its request JSON): the call whose prompt + output ids this call's prompt
+    # extends by its first n ids (the store keeps only the rest: store/delta.py)
+    base: tuple[str, int, str | None] | None = None
 
 
 class Chain:
@@ -280,9 +283,12 @@ class Merger:
             chain = self._joinable(p, agent)
             if chain is not None:
                 start = len(chain)
+                base = _base(chain, start)
                 self._unindex_end(chain)
                 self._append(chain, p, start, out, logprobs, facts, request_json)
-                return Placement(chain.trace_id, True, None, None, start, len(p) - start, len(out))
+                return Placement(
+                    chain.trace_id, True, None, None, start, len(p) - start, len(out), None, base
+                )
         parent, lcp, hashes = self._longest_common(p, joinable=not side)
         if agent is not None and parent is not None and parent.agent != agent and not side:
             own = [c for c in self.chains if c.role != "side" and c.agent == agent]
@@ -317,6 +323,7 @@ class Merger:
             if role != "side":
                 self._blocks_join.setdefault(h, []).append(chain)
         self.chains.append(chain)
+        base = _base(parent, lcp) if parent is not None else None
         self._append(chain, p, 0, out, logprobs, facts, request_json, parsed)
         return Placement(
             chain.trace_id,
@@ -327,6 +334,7 @@ class Merger:
             len(p),
             len(out),
             detail,
+            base,
         )
 
     # -- joining --------------------------------------------------------------------------------
@@ -497,6 +505,15 @@ def _role(reason: str, parent: Chain | None) -> str:
     if reason == FIRST_CALL or parent is None:
         return "main"
     return parent.role
+
+
+def _base(chain: Chain, shared: int) -> tuple[str, int, str | None] | None:
+    """A chain's tokens are its last call's prompt + output ids (each call's prompt extends the
+    chain before it), so a prompt sharing ``shared`` tokens with the chain shares them with that
+    call: the base the store's delta encoding refers to."""
+    if not chain.calls:
+        return None
+    return chain.calls[-1].call_id, min(shared, len(chain)), chain.last_request
 
 
 def _aligned(logprobs: Sequence[float], k: int) -> array:

@@ -81,7 +81,7 @@ class Rollout:
             self.unmerged.append((record.call_id, f"no token ids (ids_source={record.ids_source})"))
             return None
         try:
-            return self.merger.add(
+            placement = self.merger.add(
                 record.prompt_token_ids,
                 record.output_token_ids,
                 record.output_logprobs,
@@ -93,6 +93,8 @@ class Rollout:
         except ValueError as e:
             self.unmerged.append((record.call_id, f"no token ids (unusable: {e})"))
             return None
+        record.delta_base = placement.base  # the store keeps only what this call adds
+        return placement
 
     def rows(
         self, allow: frozenset[str], strict: frozenset[str] = frozenset()
