@@ -148,10 +148,12 @@ def start_mitm(
     name: str = "mitm",
     listen_host: str = "127.0.0.1",
     scripts_before: Iterable[Path] = (),
+    ready: str | None = r"polar-mitm: capturing",
     **options: object,
 ) -> Mitm:
     """mitmdump with addons/polar.py; `scripts_before` are loaded ahead of it (their hooks see
-    each flow first), `listen_host` is for a harness in a network namespace."""
+    each flow first), `listen_host` is for a harness in a network namespace, `ready` the line
+    to wait for (None: only that it listens, for a proxy meant to fail at start-up)."""
     port = free_port()
     raw = str(options.pop("polar_output", tmp / f"{name}-data"))
     output = raw if "://" in raw else Path(raw)  # a URI (s3://…) is not a path
@@ -174,5 +176,6 @@ def start_mitm(
         args += ["--set", f"{key}={value}"]
     proc = Proc(args, tmp / f"{name}.log")
     proc.wait_for(r"proxy listening at", timeout=60)
-    proc.wait_for(r"polar-mitm: capturing", timeout=30)
+    if ready is not None:
+        proc.wait_for(ready, timeout=30)
     return Mitm(proc, port, confdir, output, opts, listen_host)

@@ -187,6 +187,7 @@ def test_many_proxies_one_bucket_and_a_ray_job_over_every_shard(
         server.url,
         polar_output=uri,
         polar_journal=tmp_path / "journal0",
+        ready=None,  # it never says it is capturing
     )
     intruder.proc.wait_for(r"polar_output: journal directory \S+journal0 is in use")
     assert intruder.proc.popen.wait(10) == 1
