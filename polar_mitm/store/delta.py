@@ -1,9 +1,11 @@
-"""Calls stored as what they add to the rollout's previous call (schema 2): storage linear in tokens.
+"""Calls stored as what they add to an earlier call of their rollout (schema 2): storage linear in tokens.
 
 An agent session re-sends its whole growing conversation every call, so storing each call's
 whole prompt ids and request body costs the context length again per call: storage grows with
 the square of the session. Instead the journal thread (`PromptDelta.encode`, off the event loop)
-compares each call with the previous call of the same rollout and stores
+stores each call as what it adds to a base call of the same rollout: the one the trajectory merge
+names (`Placement.base`, in the row under `DELTA_BASE`: the last call of the chain its prompt
+extends, compared exactly there), or for a row without it, the rollout's previous row:
 
     base_call_id        = that call's id
     prompt_base_len     = n: the ids its prompt shares with the base's prompt + output ids (the
