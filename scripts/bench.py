@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -465,20 +465,33 @@ def targets(
     return out
 
 
+def session_pools(
+    columns: Iterable[str], sessions: int, total: float = 120
+) -> dict[str, list[aiohttp.ClientSession]]:
+    """`sessions` harness sessions per column, one keep-alive connection each (close them with
+    `close_pools`, inside the event loop that uses them)."""
+    timeout = aiohttp.ClientTimeout(total=total)
+    return {
+        c: [
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=timeout)
+            for _ in range(sessions)
+        ]
+        for c in columns
+    }
+
+
+async def close_pools(pools: dict[str, list[aiohttp.ClientSession]]) -> None:
+    for pool in pools.values():
+        for s in pool:
+            await s.close()
+
+
 async def interleaved(ts: dict[str, Target], sessions: int, rounds: int) -> dict[str, Run]:
     """Latency, fair across columns: every round makes one call per session on each column in
     turn, so all columns see the same machine load (drift on a shared box is larger than the
     differences measured). Sessions keep their connection across rounds, as harnesses do."""
     runs = {c: Run() for c in ts}
-    pools = {
-        c: [
-            aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1), timeout=aiohttp.ClientTimeout(total=120)
-            )
-            for _ in range(sessions)
-        ]
-        for c in ts
-    }
+    pools = session_pools(ts, sessions)
     try:
         for r in range(rounds + 1):  # round 0 warms up: certificates, connections
             for column, t in ts.items():
@@ -494,9 +507,7 @@ async def interleaved(ts: dict[str, Target], sessions: int, rounds: int) -> dict
                     runs[column].samples += samples
                     runs[column].errors += sum(not x.ok for x in samples)
     finally:
-        for pool in pools.values():
-            for s in pool:
-                await s.close()
+        await close_pools(pools)
     return runs
 
 

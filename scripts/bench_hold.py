@@ -31,7 +31,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import aiohttp
 import bench
 
 from polar_mitm.assets import qwen3_tokenizer_dir
@@ -42,15 +41,7 @@ from polar_mitm.cli.top import quantile, scrape
 async def rounds(ts: dict[str, bench.Target], sessions: int, n: int) -> dict[str, list[list]]:
     """``n`` rounds (after one warm-up); in each, every column gets ``sessions`` calls at once."""
     out: dict[str, list[list]] = {c: [] for c in ts}
-    pools = {
-        c: [
-            aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1), timeout=aiohttp.ClientTimeout(total=120)
-            )
-            for _ in range(sessions)
-        ]
-        for c in ts
-    }
+    pools = bench.session_pools(ts, sessions)
     order = list(ts)
     try:
         for r in range(n + 1):
@@ -66,9 +57,7 @@ async def rounds(ts: dict[str, bench.Target], sessions: int, n: int) -> dict[str
                     out[column].append(samples)
             bench.progress(f"round {r}/{n}")
     finally:
-        for pool in pools.values():
-            for s in pool:
-                await s.close()
+        await bench.close_pools(pools)
     return out
 
 

@@ -308,15 +308,7 @@ async def run_load(
     column's first call after start and the median of the three after it (seconds, a short chat
     on a new connection each)."""
     convs = [Session(i) for i in range(sessions)]
-    pools = {
-        c: [
-            aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1), timeout=aiohttp.ClientTimeout(total=300)
-            )
-            for _ in range(sessions)
-        ]
-        for c in ts
-    }
+    pools = bench.session_pools(ts, sessions, total=300)
     samples: dict[str, list[list[bench.Sample]]] = {c: [] for c in ts}
     order = list(ts)
     first: dict[str, tuple[float, float]] = {}
@@ -363,9 +355,7 @@ async def run_load(
                 s.advance(turn)
             bench.progress(f"long sessions: turn {turn + 1}/{turns}")
     finally:
-        for pool in pools.values():
-            for s in pool:
-                await s.close()
+        await bench.close_pools(pools)
     for column, t in ts.items():
         if column.startswith("polar-mitm"):
             await end_rollouts(t.proxy, [f"long-{column}.{i}" for i in range(sessions)])
