@@ -30,11 +30,12 @@ class TokenizerAddon:
             self.tokenizer = None
             return
         try:
-            self.tokenizer = load_tokenizer(spec)
+            tokenizer = load_tokenizer(spec)
         except TokenizerError as e:
             _errors.fail(f"polar_tokenizer: {e}")
             return
         try:
-            self.tokenizer.warm()  # at start-up, before the proxy says it is capturing
+            tokenizer.warm()  # at load, before anything shares it (and before "capturing")
         except Exception as e:  # a template that cannot render a plain turn is no reason to stop
             log.warning("polar_tokenizer: warm-up render failed: %s", e)
+        self.tokenizer = tokenizer

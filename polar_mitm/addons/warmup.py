@@ -33,9 +33,8 @@ _NONCE_HEADER = "x-polar-warmup"
 
 
 class WarmUpAddon:
-    def __init__(self, hosts: frozenset[str] | None = None) -> None:
-        self.hosts = hosts or frozenset()  # more hosts to make certificates for (the captured)
-        self.gateway: Gateway | None = None
+    def __init__(self) -> None:
+        self.gateway: Gateway | None = None  # set while our warm-up request is under way
         self._nonce = secrets.token_hex(16)  # only our own warm-up request is routed
 
     def load(self, loader) -> None:
