@@ -568,7 +568,9 @@ class WireCapture:
     def _gemini(self, turn: dict[str, Any], stream: bool, model: str) -> http.Response:
         """Google `generateContent`: one GenerateContentResponse, or (`?alt=sse`) one per event."""
         if "tool" in turn:
-            part = {"functionCall": {"name": turn["tool"]["name"], "args": turn["tool"]["arguments"]}}
+            part = {
+                "functionCall": {"name": turn["tool"]["name"], "args": turn["tool"]["arguments"]}
+            }
         else:
             part = {"text": turn["text"]}
         usage = {"promptTokenCount": 100, "candidatesTokenCount": 10, "totalTokenCount": 110}
@@ -583,7 +585,9 @@ class WireCapture:
         if not stream:
             return http.Response.make(200, json.dumps(reply), {"content-type": "application/json"})
         return http.Response.make(
-            200, b"data: " + json.dumps(reply).encode() + b"\r\n\r\n", {"content-type": "text/event-stream"}
+            200,
+            b"data: " + json.dumps(reply).encode() + b"\r\n\r\n",
+            {"content-type": "text/event-stream"},
         )
 
 
