@@ -60,6 +60,10 @@ PLAN = {
         },
         {"text": FINAL_TEXT},
     ],
+    # Gemini CLI's model router (a tool-less call) wants its JSON, else it asks four times more.
+    "gemini_side": [
+        {"text": '{"complexity_reasoning": "One small file.", "complexity_score": 10}'}
+    ],
 }
 
 

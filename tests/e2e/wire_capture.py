@@ -18,7 +18,8 @@ The plan (JSON) says what each LLM turn answers, per dialect:
      "gemini":    [{"tool": {"name": "run_shell_command", "arguments": {...}}}, {"text": "done"}]}
 
 The turn index is the number of tool results already in the request; a request without tools
-(a side call: titles, summaries) gets {"text": "ok"}.
+(a side call: titles, summaries) gets {"text": "ok"}, or the plan's `"<dialect>_side"` turn when
+it has one (Gemini CLI's model router wants JSON).
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ class WireCapture:
             turn_no = _tool_results(dialect, body)
             plan = self._plan(dialect)
             if not _has_tools(dialect, body):
-                turn = {"text": "ok"}
+                turn = (self._plan(dialect + "_side") or [{"text": "ok"}])[0]
             elif turn_no < len(plan):
                 turn = plan[turn_no]
             else:
