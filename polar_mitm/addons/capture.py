@@ -370,9 +370,6 @@ class CaptureAddon:
         record.headers_json = scrub(json.dumps(redact_headers(headers.items(multi=True))), secrets)
         body: bytes | None = None
         try:
-            refused = dialect.refuse_query(path, flow.request.query)
-            if refused:
-                raise DialectError(refused)
             body = flow.request.get_content(strict=True) or b""
             limit = ctx.options.polar_max_request_mb
             if limit > 0 and len(body) > limit * 1e6:
@@ -381,6 +378,9 @@ class CaptureAddon:
                     f"{limit:g}",
                     413,
                 )
+            refused = dialect.refuse_query(path, flow.request.query)
+            if refused:
+                raise DialectError(refused)
             req = dialect.parse(body, path)
             request_json = redacted_json(req.body, secrets)
         except Exception as e:
