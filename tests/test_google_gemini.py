@@ -16,7 +16,7 @@ from mitmproxy.http import Headers
 from polar_mitm.call.identity import resolve
 from polar_mitm.dialects import DialectError, by_name, detect
 from polar_mitm.dialects.convert import seal, unseal
-from polar_mitm.dialects.google_gemini import json_schema
+from polar_mitm.dialects.gemini_config import json_schema
 
 GEMINI = by_name("google_gemini")
 STREAM = "/v1beta/models/gemini-2.5-pro:streamGenerateContent"

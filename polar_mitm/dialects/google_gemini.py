@@ -38,11 +38,13 @@ per tool call once its arguments are complete; the first part after the thinking
 sealed as `thoughtSignature`. The last event has `finishReason` and `usageMetadata`. An upstream
 failure mid-stream ends the stream with `data: {"error": {code, message, status}}`, Google's
 error object, as an error before the stream is the HTTP status with that body.
+
+The request's settings (tools, tool config, generation config, schemas) are read in
+`gemini_config`; what every dialect shares is in `base`, `blocks`, `convert`, `assemble`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import uuid
@@ -52,21 +54,19 @@ from typing import Any
 from ..call.sse import dumps
 from . import compaction
 from .assemble import ToolCallParts, reply_to_chunks
-from .base import Dialect, DialectError, HarnessRequest, LocalContext, is_a, load_json_object
+from .base import Dialect, DialectError, HarnessRequest, LocalContext, load_json_object
 from .blocks import BlockStream
 from .convert import (
     ChatBuilder,
     arguments_json,
     content_of,
-    function_tool,
     image_part,
-    number,
-    positive_int,
     safe_id,
     seal,
     text_part,
     unseal,
 )
+from .gemini_config import function_tools, generation, get_field, repeated, tool_choice
 from .usage import counts
 
 # `/v1beta/models/gemini-2.5-pro:streamGenerateContent` (any API version, Vertex's long form too).
@@ -87,30 +87,10 @@ _FINISH = {
     "length": "MAX_TOKENS",
     "content_filter": "SAFETY",
 }
-# Google's tools: each runs on Google's servers, which nothing behind polar-mitm replaces.
-_SERVER_TOOLS = (
-    "googleSearch", "googleSearchRetrieval", "codeExecution", "urlContext", "computerUse",
-    "fileSearch", "googleMaps", "retrieval", "enterpriseWebSearch",
-)
 _IGNORED = ("safetySettings", "labels", "serviceTier")
 _PART_KINDS = (
     "text", "functionCall", "functionResponse", "inlineData", "fileData", "executableCode",
     "codeExecutionResult",
-)
-# generationConfig -> chat (`top_k`: vLLM's and SGLang's sampling extension), and the ranges.
-_SAMPLING = {
-    "maxOutputTokens": "max_tokens", "temperature": "temperature", "topP": "top_p",
-    "topK": "top_k", "presencePenalty": "presence_penalty",
-    "frequencyPenalty": "frequency_penalty", "seed": "seed",
-}
-_RANGES = {
-    "temperature": (0.0, 2.0), "topP": (0.0, 1.0), "presencePenalty": (-2.0, 2.0),
-    "frequencyPenalty": (-2.0, 2.0),
-}
-# The generationConfig fields read (each in its two spellings); others are noted as ignored.
-_CONFIG_KEYS = (
-    *_SAMPLING, "candidateCount", "stopSequences", "responseModalities", "responseMimeType",
-    "responseJsonSchema", "responseSchema", "responseLogprobs", "logprobs", "thinkingConfig",
 )
 # fmt: on
 # Gemini CLI puts this in its first user turn (its session context) and nowhere else.
@@ -142,36 +122,36 @@ class GoogleGemini(Dialect):
         model, action = found.groups()
         data = load_json_object(body)
         counting = action == "countTokens"
-        if counting and isinstance(_get(data, "generateContentRequest"), dict):
-            data = _get(data, "generateContentRequest")
+        if counting and isinstance(get_field(data, "generateContentRequest"), dict):
+            data = get_field(data, "generateContentRequest")
         notes: list[str] = []
         builder = ChatBuilder()
-        system = _system_text(_get(data, "systemInstruction"))
+        system = _system_text(get_field(data, "systemInstruction"))
         if system:
             builder.system(system)
-        contents = _listish(_get(data, "contents"), "contents")
+        contents = repeated(get_field(data, "contents"), "contents")
         if not contents:
             raise DialectError("'contents' is required: a non-empty list of Content")
         _History(builder, notes).add_all(contents)
         chat: dict[str, Any] = {"messages": builder.result()}
-        tools = _tools(_get(data, "tools"))
+        tools = function_tools(get_field(data, "tools"))
         if tools:
             chat["tools"] = tools
-        choice = _tool_choice(_get(data, "toolConfig"), notes)
+        choice = tool_choice(get_field(data, "toolConfig"), notes)
         if choice is not None and tools:
             chat["tool_choice"] = choice
-        if _get(data, "cachedContent"):
+        if get_field(data, "cachedContent"):
             raise DialectError(
                 "'cachedContent' is not supported: polar-mitm keeps no cached contents; send "
                 "the whole conversation in 'contents'"
             )
         for key in _IGNORED:
-            if _get(data, key) is not None:
+            if get_field(data, key) is not None:
                 notes.append(f"ignored {key}")
-        config = _get(data, "generationConfig")
+        config = get_field(data, "generationConfig")
         if config is not None and not isinstance(config, dict):
             raise DialectError("'generationConfig' must be an object")
-        show_thoughts = _generation(config or {}, chat, notes, counting)
+        show_thoughts = generation(config or {}, chat, notes, counting)
         return HarnessRequest(
             body=data,
             model=model,
@@ -206,32 +186,10 @@ def error_object(status: int, message: str, kind: str = "") -> dict[str, Any]:
 # -- reading the request ----------------------------------------------------------------------
 
 
-@functools.cache
-def _snake(name: str) -> str:
-    return re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), name)
-
-
-def _get(obj: dict[str, Any], name: str) -> Any:
-    """A field by its proto JSON name, or the snake_case one Google's REST examples use."""
-    value = obj.get(name)
-    return value if value is not None else obj.get(_snake(name))
-
-
-def _listish(value: Any, where: str) -> list[Any]:
-    """A repeated field; Google also takes a single object for one element."""
-    if value is None:
-        return []
-    if isinstance(value, dict):
-        return [value]
-    if not isinstance(value, list):
-        raise DialectError(f"'{where}' must be a list")
-    return value
-
-
 def _parts(content: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(content, dict):
         raise DialectError(f"{where} must be a Content object")
-    parts = _listish(content.get("parts"), f"{where}.parts")
+    parts = repeated(content.get("parts"), f"{where}.parts")
     for j, part in enumerate(parts):
         if not isinstance(part, dict):
             raise DialectError(f"{where}.parts[{j}] must be an object")
@@ -240,7 +198,7 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
 
 def _kind(part: dict[str, Any], where: str) -> str:
     for kind in _PART_KINDS:
-        if _get(part, kind) is not None:
+        if get_field(part, kind) is not None:
             return kind
     raise DialectError(f"{where} has none of {', '.join(_PART_KINDS)}")
 
@@ -295,14 +253,14 @@ class _History:
         self.pending = []
         for j, part in enumerate(parts):
             at = f"{where}.parts[{j}]"
-            signed = unseal(_get(part, "thoughtSignature"))
+            signed = unseal(get_field(part, "thoughtSignature"))
             if signed:
                 sealed.append(signed)
             kind = _kind(part, at)
             if kind == "text":
                 (thoughts if part.get("thought") else texts).append(_text_of(part, at))
             elif kind == "functionCall":
-                call = _get(part, "functionCall")
+                call = get_field(part, "functionCall")
                 name = call.get("name") if isinstance(call, dict) else None
                 if not isinstance(name, str) or not name:
                     raise DialectError(f"{at}.functionCall needs a string 'name'")
@@ -330,7 +288,7 @@ class _History:
                 if content:
                     self.builder.user(content_of(content))
                     content = []
-                call_id, output = self._response(_get(part, "functionResponse"), at)
+                call_id, output = self._response(get_field(part, "functionResponse"), at)
                 self.builder.tool_result(call_id, output)
             elif kind == "text":
                 if part.get("thought"):
@@ -338,7 +296,7 @@ class _History:
                     continue
                 content.append(text_part(_text_of(part, at)))
             elif kind == "inlineData":
-                content.append(image_part(_image_url(_get(part, "inlineData"), at)))
+                content.append(image_part(_image_url(get_field(part, "inlineData"), at)))
             else:
                 raise DialectError(f"{at}: {kind} parts are not supported by polar-mitm")
         if content or not parts:
@@ -383,167 +341,10 @@ def _response_text(value: Any) -> str:
 
 def _image_url(data: Any, where: str) -> str:
     if isinstance(data, dict):
-        mime, payload = _get(data, "mimeType"), data.get("data")
+        mime, payload = get_field(data, "mimeType"), data.get("data")
         if isinstance(mime, str) and mime.startswith("image/") and isinstance(payload, str):
             return f"data:{mime};base64,{payload}"
     raise DialectError(f"{where}: only inlineData images (image/* with base64 data) are supported")
-
-
-def _tools(raw: Any) -> list[dict[str, Any]]:
-    tools = []
-    for i, tool in enumerate(_listish(raw, "tools")):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise DialectError(f"{where} must be an object")
-        for key in _SERVER_TOOLS:
-            if _get(tool, key) is not None:
-                raise DialectError(
-                    f"{where}: Google tool {key!r} is not supported: nothing behind polar-mitm "
-                    "can run it"
-                )
-        declarations = _listish(_get(tool, "functionDeclarations"), f"{where}.functionDeclarations")
-        for j, decl in enumerate(declarations):
-            tools.append(_declaration(decl, f"{where}.functionDeclarations[{j}]"))
-    return tools
-
-
-def _declaration(decl: Any, where: str) -> dict[str, Any]:
-    if not isinstance(decl, dict):
-        raise DialectError(f"{where} must be an object")
-    name = decl.get("name")
-    if not isinstance(name, str) or not name:
-        raise DialectError(f"{where} needs a string 'name'")
-    schema = _get(decl, "parametersJsonSchema")
-    if schema is None and _get(decl, "parameters") is not None:
-        schema = json_schema(_get(decl, "parameters"))
-    if schema is not None and not isinstance(schema, dict):
-        raise DialectError(f"{where}: the parameters must be an object")
-    description = decl.get("description")
-    return function_tool(name, description if isinstance(description, str) else None, schema)
-
-
-def json_schema(schema: Any) -> Any:
-    """Google's OpenAPI-subset Schema as JSON Schema: its enum-style upper-case `type` names
-    (`OBJECT`, `STRING`, ...) lowered, in nested properties, items and anyOf too; every other
-    keyword kept as it is."""
-    if isinstance(schema, list):
-        return [json_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "type" and isinstance(value, str):
-            out[key] = value.lower()
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: json_schema(s) for name, s in value.items()}
-        elif key in _SCHEMA_VALUES:
-            out[key] = json_schema(value)
-        else:
-            out[key] = value
-    return out
-
-
-# Keywords whose value is a schema (or a list of them), and those that map names to schemas.
-_SCHEMA_VALUES = frozenset(
-    {"items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties", "not"}
-)
-_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties"})
-
-
-def _tool_choice(config: Any, notes: list[str]) -> Any:
-    if config is None:
-        return None
-    calling = _get(config, "functionCallingConfig") if isinstance(config, dict) else None
-    if calling is None:
-        return None
-    if not isinstance(calling, dict):
-        raise DialectError("'toolConfig.functionCallingConfig' must be an object")
-    mode = str(calling.get("mode") or "AUTO").upper()
-    allowed = _get(calling, "allowedFunctionNames") or []
-    if mode in ("AUTO", "MODE_UNSPECIFIED"):
-        return "auto"
-    if mode == "NONE":
-        return "none"
-    if mode == "VALIDATED":
-        notes.append("toolConfig mode VALIDATED sent as auto")
-        return "auto"
-    if mode == "ANY":
-        if isinstance(allowed, list) and len(allowed) == 1 and isinstance(allowed[0], str):
-            return {"type": "function", "function": {"name": allowed[0]}}
-        if allowed:
-            notes.append("toolConfig allowedFunctionNames not enforced (required: any tool)")
-        return "required"
-    raise DialectError(f"'toolConfig.functionCallingConfig.mode' {mode!r} is not supported")
-
-
-def _generation(
-    config: dict[str, Any], chat: dict[str, Any], notes: list[str], counting: bool
-) -> bool:
-    """generationConfig into the chat body; whether the client asked to see the thoughts."""
-    known = {*_CONFIG_KEYS, *map(_snake, _CONFIG_KEYS)}
-    notes.extend(f"ignored generationConfig.{key}" for key in config if key not in known)
-    config = {k: v for k, v in ((key, _get(config, key)) for key in _CONFIG_KEYS) if v is not None}
-    for key, target in _SAMPLING.items():
-        if key in _RANGES:
-            value = number(config, key, *_RANGES[key])
-        elif key == "seed":
-            value = config.get(key)
-            if value is not None and not is_a(value, int):
-                raise DialectError("'seed' must be an integer")
-        else:
-            value = positive_int(config, key)
-        if value is not None and not (counting and key == "maxOutputTokens"):
-            chat[target] = value
-    if config.get("candidateCount") not in (None, 1):
-        raise DialectError("polar-mitm captures one sample per call: 'candidateCount' must be 1")
-    stops = config.get("stopSequences")
-    if stops:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise DialectError("'stopSequences' must be a list of strings")
-        chat["stop"] = stops
-    modalities = config.get("responseModalities") or []
-    if not isinstance(modalities, list) or any(str(m).upper() != "TEXT" for m in modalities):
-        raise DialectError("'responseModalities' must be TEXT: the policy writes text only")
-    fmt = _response_format(config)
-    if fmt is not None:
-        chat["response_format"] = fmt
-    if config.get("responseLogprobs") or config.get("logprobs"):
-        notes.append("responseLogprobs not returned (the record has the logprobs)")
-    thinking = config.get("thinkingConfig") or {}
-    if not isinstance(thinking, dict):
-        raise DialectError("'thinkingConfig' must be an object")
-    kwargs: dict[str, Any] = {}
-    budget = _get(thinking, "thinkingBudget")
-    level = _get(thinking, "thinkingLevel")
-    if budget is not None:
-        if not is_a(budget, int):
-            raise DialectError("'thinkingConfig.thinkingBudget' must be an integer")
-        kwargs["enable_thinking"] = budget != 0
-    if isinstance(level, str) and level.upper() != "THINKING_LEVEL_UNSPECIFIED":
-        kwargs["reasoning_effort"] = level.lower()
-    if kwargs:
-        chat["chat_template_kwargs"] = kwargs
-    return bool(_get(thinking, "includeThoughts"))
-
-
-def _response_format(config: dict[str, Any]) -> dict[str, Any] | None:
-    """JSON output: `responseMimeType: application/json` with an optional schema."""
-    mime = config.get("responseMimeType")
-    schema = config.get("responseJsonSchema")
-    if schema is None:
-        schema = config.get("responseSchema")
-    # Gemini CLI writes Google's upper-case type names in its responseJsonSchema too, which no
-    # server's JSON-schema decoding takes; lowering them changes nothing in a valid schema.
-    schema = json_schema(schema)
-    if mime in (None, "text/plain") and schema is None:
-        return None
-    if mime not in (None, "application/json"):
-        raise DialectError(f"'responseMimeType' {mime!r} is not supported (text/plain or JSON)")
-    if schema is None:
-        return {"type": "json_object"}
-    if not isinstance(schema, dict):
-        raise DialectError("'responseJsonSchema' must be an object")
-    return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
 
 
 def _purpose(contents: list[Any], has_tools: bool) -> str:
@@ -561,7 +362,7 @@ def _purpose(contents: list[Any], has_tools: bool) -> str:
 
 
 def _texts(content: dict[str, Any]) -> str:
-    parts = _listish(content.get("parts"), "parts")
+    parts = repeated(content.get("parts"), "parts")
     return "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str))
 
 
