@@ -1,4 +1,4 @@
-"""The three real harnesses, as the e2e tests and the wire recorder run them.
+"""The real harnesses, as the e2e tests and the wire recorder run them.
 
 Each is the unmodified npm package pinned in tests/e2e/npm/ (installed by
 scripts/install_harnesses.sh), run non-interactively in a temp workdir with a temp HOME and an
