@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mitmproxy.http import Headers
+from mitmproxy.http import Headers, Request
 
+from polar_mitm.addons.capture import _drop_polar_keys
 from polar_mitm.call.identity import resolve
 from polar_mitm.dialects import DialectError, by_name, detect
 from polar_mitm.dialects.convert import seal, unseal
@@ -477,6 +478,28 @@ def test_google_keys_identify_the_rollout():
     assert resolve(Headers(x_goog_api_key="polar-h.1"), "h", None, "polar-q.1").rollout_id == "h.1"
     assert resolve(Headers(x_goog_api_key="AIzaSy-real"), "h", None, "AIza").source == "session"
     assert resolve(Headers(x_goog_api_key="polar-h.1"), "h", "proxy.0").rollout_id == "proxy.0"
+
+
+def test_polar_keys_never_go_to_the_real_host():
+    """polar_other_paths=pass: every polar- key is taken out, in any key header or ?key=; real
+    keys beside them go on."""
+    url = "https://generativelanguage.googleapis.com/v1beta/files?key=polar-q.1&alt=json"
+    headers = {
+        "authorization": "Bearer polar-a.1",
+        "x-goog-api-key": "polar-g.1",
+        "x-api-key": "sk-real",
+        "user-agent": "GeminiCLI",
+    }
+    request = Request.make("GET", url, headers=headers)
+    _drop_polar_keys(request)
+    kept = {k: v for k, v in request.headers.items() if k != "content-length"}
+    assert kept == {"x-api-key": "sk-real", "user-agent": "GeminiCLI"}
+    assert request.path == "/v1beta/files?alt=json"
+    real = Request.make(
+        "GET", url.replace("polar-q.1", "AIza-real"), headers={"x-goog-api-key": "AIza"}
+    )
+    _drop_polar_keys(real)
+    assert real.query["key"] == "AIza-real" and real.headers["x-goog-api-key"] == "AIza"
 
 
 # -- replies -----------------------------------------------------------------------------------

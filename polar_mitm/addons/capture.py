@@ -20,7 +20,7 @@ from mitmproxy import ctx, http
 
 from ..call.exchange import Call, UpstreamSettings
 from ..call.gateway import Gateway
-from ..call.identity import API_KEY_PREFIX, KEY_PARAM, api_key
+from ..call.identity import API_KEY_PREFIX, KEY_HEADERS, KEY_PARAM
 from ..call.record import (
     REDACTED,
     SECRET_HEADERS,
@@ -82,6 +82,18 @@ def _forget_secrets(flow: http.HTTPFlow) -> None:
         for value in values:
             content = content.replace(value.encode(), REDACTED.encode())
         flow.request.raw_content = content
+
+
+def _drop_polar_keys(request: http.Request) -> None:
+    """Take every `polar-` key out of a request bound for the real host: in any key header, and
+    Google's `?key=` (a real key beside it goes on)."""
+    for name in KEY_HEADERS:
+        value = request.headers.get(name, "")
+        key = value[7:] if value[:7].lower() == "bearer " else value
+        if key.strip().startswith(API_KEY_PREFIX):
+            del request.headers[name]
+    if request.query.get(KEY_PARAM, "").startswith(API_KEY_PREFIX):
+        del request.query[KEY_PARAM]
 
 
 def _json_response(status: int, obj: object) -> http.Response:
@@ -492,12 +504,7 @@ class CaptureAddon:
 
     def _other_path(self, flow: http.HTTPFlow) -> None:
         if ctx.options.polar_other_paths == "pass":
-            key = api_key(flow.request.headers)
-            if key and key.startswith(API_KEY_PREFIX):
-                for name in ("authorization", "x-api-key", "api-key", "x-goog-api-key"):
-                    flow.request.headers.pop(name, None)
-            if flow.request.query.get(KEY_PARAM, "").startswith(API_KEY_PREFIX):
-                del flow.request.query[KEY_PARAM]
+            _drop_polar_keys(flow.request)
             return
         flow.response = _json_response(
             404,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 API_KEY_PREFIX = "polar-"
 ROLLOUT_HEADER = "x-polar-rollout"
 KEY_PARAM = "key"  # Google's API takes its key as a query parameter too
+# The headers an API key comes in (`authorization` as `Bearer <key>`), first found first used.
+KEY_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
 # Session/conversation headers the harnesses send (Claude Code, Codex), most specific first.
 SESSION_HEADERS = (
     "x-claude-code-session-id",
@@ -75,9 +77,11 @@ def api_key(headers: Mapping[str, str]) -> str | None:
     auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
-    return (
-        headers.get("x-api-key") or headers.get("api-key") or headers.get("x-goog-api-key") or None
-    )
+    for name in KEY_HEADERS[1:]:
+        value = headers.get(name)
+        if value:
+            return value
+    return None
 
 
 def session_of(headers: Mapping[str, str]) -> str | None:
