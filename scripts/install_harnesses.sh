@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the coding-agent harnesses the e2e tests run (Codex CLI, Claude Code, Pi), unmodified,
+# Installs the coding-agent harnesses the e2e tests run (Codex CLI, Claude Code, Pi, Gemini CLI), unmodified,
 # at the versions pinned in tests/e2e/npm/package.json + package-lock.json (the one place they are
 # pinned), into a cache dir that survives fresh clones: $POLAR_HARNESS_DIR, default
 # ~/.cache/polar-mitm/npm-harnesses. Reinstalls only when the lock file changed (a stamp holds its
@@ -41,7 +41,9 @@ pin() {
 codex_v="$(pin @openai/codex)"
 claude_v="$(pin @anthropic-ai/claude-code)"
 pi_v="$(pin @mariozechner/pi-coding-agent)"
+gemini_v="$(pin @google/gemini-cli)"
 check codex "$codex_v"
 check claude "$claude_v"
 check pi "$pi_v"
+check gemini "$gemini_v"
 echo "$BIN"

@@ -93,7 +93,8 @@ def test_fixtures_hold_no_secret_or_local_path():
         assert "/tmp/wire-" not in text, path  # temp dirs are normalized
         if path.suffix == ".json":
             for name, value in json.loads(text)["headers"]:
-                if name.lower() in ("authorization", "x-api-key", "proxy-authorization", "cookie"):
+                secret = ("authorization", "x-api-key", "proxy-authorization", "cookie")
+                if name.lower() in (*secret, "x-goog-api-key"):
                     assert value.startswith("[redacted"), (path, name)
 
 

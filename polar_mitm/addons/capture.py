@@ -20,7 +20,7 @@ from mitmproxy import ctx, http
 
 from ..call.exchange import Call, UpstreamSettings
 from ..call.gateway import Gateway
-from ..call.identity import API_KEY_PREFIX, api_key
+from ..call.identity import API_KEY_PREFIX, KEY_HEADERS, KEY_PARAM
 from ..call.record import (
     REDACTED,
     SECRET_HEADERS,
@@ -46,27 +46,54 @@ from .retokenize import RetokenizeAddon
 from .tokenizer import TokenizerAddon
 from .warmup import WarmUpAddon
 
-# ab.chatgpt.com is Codex's telemetry (OpenTelemetry metrics, docs/harness-wire-notes.md): it has
-# no LLM endpoint, so listing it answers all of it locally and no rollout leaks telemetry.
-DEFAULT_HOSTS = "api.openai.com,api.anthropic.com,chatgpt.com,ab.chatgpt.com"
+# ab.chatgpt.com is Codex's telemetry (OpenTelemetry metrics, docs/harness-wire-notes.md), and
+# play.googleapis.com Gemini CLI's (Clearcut `/log`): neither has an LLM endpoint, so listing them
+# answers all of it locally and no rollout leaks telemetry.
+DEFAULT_HOSTS = (
+    "api.openai.com,api.anthropic.com,chatgpt.com,ab.chatgpt.com,"
+    "generativelanguage.googleapis.com,play.googleapis.com"
+)
 _RAW_BODY_LIMIT = 1 << 20
 # A harness (or a test) may say what a call is for; anything but "main" is a side call.
 PURPOSE_HEADER = "x-polar-purpose"
 _PURPOSE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
+def _secrets(flow: http.HTTPFlow) -> list[str]:
+    """The request's credentials: its secret headers' values, and Google's `?key=`."""
+    values = secret_values(flow.request.headers)
+    key = flow.request.query.get(KEY_PARAM)
+    if key and len(key) >= 6:
+        values.append(key)
+    return values
+
+
 def _forget_secrets(flow: http.HTTPFlow) -> None:
     """A flow answered here goes nowhere: drop its credentials, so that mitmproxy's own output
-    (flow_detail 3+, `-w` flow files) and other addons never see them."""
+    (its flow lines, flow_detail 3+, `-w` flow files) and other addons never see them."""
     headers = flow.request.headers
-    values = secret_values(headers)
+    values = _secrets(flow)
     for name in SECRET_HEADERS:
         headers.pop(name, None)
+    if KEY_PARAM in flow.request.query:
+        del flow.request.query[KEY_PARAM]
     content = flow.request.raw_content
     if values and content:
         for value in values:
             content = content.replace(value.encode(), REDACTED.encode())
         flow.request.raw_content = content
+
+
+def _drop_polar_keys(request: http.Request) -> None:
+    """Take every `polar-` key out of a request bound for the real host: in any key header, and
+    Google's `?key=` (a real key beside it goes on)."""
+    for name in KEY_HEADERS:
+        value = request.headers.get(name, "")
+        key = value[7:] if value[:7].lower() == "bearer " else value
+        if key.strip().startswith(API_KEY_PREFIX):
+            del request.headers[name]
+    if request.query.get(KEY_PARAM, "").startswith(API_KEY_PREFIX):
+        del request.query[KEY_PARAM]
 
 
 def _json_response(status: int, obj: object) -> http.Response:
@@ -337,7 +364,7 @@ class CaptureAddon:
         assert self.upstream is not None
         identity = self.identity.identify(flow)
         headers = flow.request.headers
-        secrets = secret_values(headers)
+        secrets = _secrets(flow)
         record = CallRecord(
             rollout_id=identity.rollout_id,
             rollout_source=identity.source,
@@ -363,6 +390,9 @@ class CaptureAddon:
                     f"{limit:g}",
                     413,
                 )
+            refused = dialect.refuse_query(path, flow.request.query)
+            if refused:
+                raise DialectError(refused)
             req = dialect.parse(body, path)
             request_json = redacted_json(req.body, secrets)
         except Exception as e:
@@ -474,10 +504,7 @@ class CaptureAddon:
 
     def _other_path(self, flow: http.HTTPFlow) -> None:
         if ctx.options.polar_other_paths == "pass":
-            key = api_key(flow.request.headers)
-            if key and key.startswith(API_KEY_PREFIX):
-                for name in ("authorization", "x-api-key", "api-key"):
-                    flow.request.headers.pop(name, None)
+            _drop_polar_keys(flow.request)
             return
         flow.response = _json_response(
             404,

@@ -6,7 +6,7 @@ import weakref
 
 from mitmproxy import connection, http
 
-from ..call.identity import RolloutIdentity, proxy_user, resolve
+from ..call.identity import KEY_PARAM, RolloutIdentity, proxy_user, resolve
 
 
 class RolloutIdentityAddon:
@@ -31,4 +31,5 @@ class RolloutIdentityAddon:
     def identify(self, flow: http.HTTPFlow) -> RolloutIdentity:
         peer = flow.client_conn.peername
         host = str(peer[0]) if peer else "unknown"
-        return resolve(flow.request.headers, host, self._users.get(flow.client_conn))
+        user = self._users.get(flow.client_conn)
+        return resolve(flow.request.headers, host, user, flow.request.query.get(KEY_PARAM))

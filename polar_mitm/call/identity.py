@@ -3,7 +3,8 @@
 Precedence (DESIGN.md, "Rollout identity"):
 1. proxy credentials in the proxy URL (`HTTPS_PROXY=http://<rollout>:<x>@proxy:8080`), which
    arrive as `Proxy-Authorization: Basic ...` on CONNECT and hold for the whole connection;
-2. an API key of the form `polar-<rollout>` (`Authorization: Bearer ...` or `x-api-key`);
+2. an API key of the form `polar-<rollout>` (`Authorization: Bearer ...`, `x-api-key`, or
+   Google's `x-goog-api-key` header or `?key=` query parameter);
 3. an `x-polar-rollout` header;
 4. the client address plus the harness's session header.
 A rollout id `<group>.<sample>` (e.g. `django-11099.3`) names sample 3 of GRPO group `django-11099`.
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 
 API_KEY_PREFIX = "polar-"
 ROLLOUT_HEADER = "x-polar-rollout"
+KEY_PARAM = "key"  # Google's API takes its key as a query parameter too
+# The headers an API key comes in (`authorization` as `Bearer <key>`), first found first used.
+KEY_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
 # Session/conversation headers the harnesses send (Claude Code, Codex), most specific first.
 SESSION_HEADERS = (
     "x-claude-code-session-id",
@@ -73,7 +77,11 @@ def api_key(headers: Mapping[str, str]) -> str | None:
     auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
-    return headers.get("x-api-key") or headers.get("api-key") or None
+    for name in KEY_HEADERS[1:]:
+        value = headers.get(name)
+        if value:
+            return value
+    return None
 
 
 def session_of(headers: Mapping[str, str]) -> str | None:
@@ -85,13 +93,17 @@ def session_of(headers: Mapping[str, str]) -> str | None:
 
 
 def resolve(
-    headers: Mapping[str, str], client_host: str, connection_user: str | None
+    headers: Mapping[str, str],
+    client_host: str,
+    connection_user: str | None,
+    query_key: str | None = None,
 ) -> RolloutIdentity:
-    """Apply the four rules; `headers` is case-insensitive (mitmproxy's Headers is)."""
+    """Apply the four rules; `headers` is case-insensitive (mitmproxy's Headers is);
+    `query_key` is the request's `?key=` (Google's API)."""
     session = session_of(headers)
     candidates: tuple[tuple[str, str | None], ...] = (
         ("proxy_auth", connection_user),
-        ("api_key", _strip_prefix(api_key(headers))),
+        ("api_key", _strip_prefix(api_key(headers)) or _strip_prefix(query_key)),
         ("header", headers.get(ROLLOUT_HEADER)),
     )
     for source, value in candidates:

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from .anthropic_messages import AnthropicMessages
 from .base import Dialect, DialectError, HarnessRequest, LocalContext, StreamTranslator
+from .google_gemini import GoogleGemini
 from .openai_chat import OpenAIChat
 from .openai_responses import OpenAIResponses
 
-DIALECTS: tuple[Dialect, ...] = (OpenAIChat(), OpenAIResponses(), AnthropicMessages())
+DIALECTS: tuple[Dialect, ...] = (
+    OpenAIChat(),
+    OpenAIResponses(),
+    AnthropicMessages(),
+    GoogleGemini(),
+)
 
 
 def detect(method: str, path: str) -> Dialect | None:

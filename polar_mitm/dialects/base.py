@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -104,6 +105,11 @@ class Dialect(ABC):
     @abstractmethod
     def error_body(self, status: int, message: str, kind: str) -> dict[str, Any]:
         """The dialect's error JSON (what the real API returns, so SDKs raise the right error)."""
+
+    def refuse_query(self, path: str, query: Mapping[str, str]) -> str | None:
+        """Why this request's query string cannot be served (a 400), or None. Only Google's
+        API puts a reply format there (`?alt=sse`)."""
+        return None
 
     def local_reply(self, req: HarnessRequest, local: LocalContext) -> dict[str, Any]:
         """The reply to a request parsed with `local=True` (e.g. Anthropic's count_tokens)."""

@@ -1,4 +1,5 @@
-"""Running one unmodified harness (Pi, Claude Code, Codex) through polar-mitm, for one rollout.
+"""Running one unmodified harness (Pi, Claude Code, Codex, Gemini CLI) through polar-mitm, for one
+rollout.
 
 The harness gets what a rollout container would: a fresh workspace and HOME, the environment
 `polar-mitm env` prints (proxy URL with the rollout id as its user name, the CA variables), an API
@@ -101,6 +102,14 @@ HARNESSES: dict[str, Harness] = {
         ],
         # As root, --dangerously-skip-permissions is refused unless told it is in a sandbox.
         extra_env={"IS_SANDBOX": "1"},
+    ),
+    "gemini": Harness(
+        name="gemini",
+        binary="gemini",
+        key_variable="GEMINI_API_KEY",  # sent as x-goog-api-key
+        argv=lambda b, model, prompt: [str(b / "gemini"), "--yolo", "-p", prompt],
+        # Headless runs refuse an untrusted workspace (the fresh one) without this.
+        extra_env={"GEMINI_CLI_TRUST_WORKSPACE": "true"},
     ),
 }
 

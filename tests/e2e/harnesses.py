@@ -1,4 +1,4 @@
-"""The three real harnesses, as the e2e tests and the wire recorder run them.
+"""The real harnesses, as the e2e tests and the wire recorder run them.
 
 Each is the unmodified npm package pinned in tests/e2e/npm/ (installed by
 scripts/install_harnesses.sh), run non-interactively in a temp workdir with a temp HOME and an
@@ -62,7 +62,7 @@ class Harness:
     package: str
     binary: str
     key_variable: str
-    dialect: str  # what the wire recorder calls its LLM endpoint: chat | responses | messages
+    dialect: str  # the wire recorder's name of its LLM API: chat | responses | messages | gemini
     argv: Callable[[Path, str], list[str]]
     configure: Callable[[Path, Path], None] = lambda home, work: None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -131,6 +131,16 @@ HARNESSES: dict[str, Harness] = {
         # As root, --dangerously-skip-permissions is refused unless the harness is told it is
         # in a sandbox.
         extra_env={"IS_SANDBOX": "1"},
+    ),
+    "gemini": Harness(
+        name="gemini",
+        package="@google/gemini-cli",
+        binary="gemini",
+        key_variable="GEMINI_API_KEY",
+        dialect="gemini",
+        argv=lambda bin_dir, prompt: [str(bin_dir / "gemini"), "--yolo", "-p", prompt],
+        # Headless runs refuse an untrusted workspace (the temp workdir) without this.
+        extra_env={"GEMINI_CLI_TRUST_WORKSPACE": "true"},
     ),
 }
 

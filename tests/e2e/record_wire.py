@@ -1,4 +1,4 @@
-"""Record what the real harnesses send: `python -m tests.e2e.record_wire [pi codex claude]`.
+"""Record what the real harnesses send: `python -m tests.e2e.record_wire [pi codex claude gemini]`.
 
 Runs each pinned harness in its own network namespace through mitmdump with the stand-alone
 `wire_capture.py` script (not the polar-mitm addon), with the same scripted task the e2e tests
@@ -30,6 +30,7 @@ from .netns import create_netns
 FIXTURES = ROOT / "tests" / "fixtures" / "harness"
 CAPTURE = Path(__file__).with_name("wire_capture.py")
 LLM_PATHS = ("/v1/responses", "/v1/messages", "/v1/chat/completions")
+LLM_SUFFIXES = (":generateContent", ":streamGenerateContent")  # Google's, after the model name
 
 # What the capture proxy answers: the harness's own shell tool, then the final text.
 CODEX_EXEC_INPUT = (
@@ -49,6 +50,19 @@ PLAN = {
     "chat": [
         {"tool": {"name": "bash", "arguments": {"command": SHELL_COMMAND}}},
         {"text": FINAL_TEXT},
+    ],
+    "gemini": [
+        {
+            "tool": {
+                "name": "run_shell_command",
+                "arguments": {"command": SHELL_COMMAND, "description": "Create hello.txt"},
+            }
+        },
+        {"text": FINAL_TEXT},
+    ],
+    # Gemini CLI's model router (a tool-less call) wants its JSON, else it asks four times more.
+    "gemini_side": [
+        {"text": '{"complexity_reasoning": "One small file.", "complexity_score": 10}'}
     ],
 }
 
@@ -122,7 +136,8 @@ def record(name: str, bin_dir: Path, out: Path) -> None:
             continue
         path = e["path"]
         sequence.append(f"{e['seq']:02d} {e['method']} {e['host']}{path} -> {e['status']}")
-        llm = path.partition("?")[0] in LLM_PATHS and e["method"] == "POST"
+        bare = path.partition("?")[0]
+        llm = (bare in LLM_PATHS or bare.endswith(LLM_SUFFIXES)) and e["method"] == "POST"
         body = e.get("body")
         if not llm and body is not None and len(json.dumps(body)) > 4096:
             keys = sorted(body) if isinstance(body, dict) else type(body).__name__

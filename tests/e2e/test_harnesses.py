@@ -39,6 +39,8 @@ from .harnesses import FILE_NAME, FILE_TEXT, FINAL_TEXT, HARNESSES, PROMPT, run_
 SCENARIO = Path(__file__).parent / "scenarios" / "harnesses.json"
 WIRE_CAPTURE = Path(__file__).parent / "wire_capture.py"
 LLM_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/responses/compact", "/v1/messages"}
+# Google's endpoints end in the method, after the model name: /v1beta/models/M:generateContent
+GEMINI_METHODS = (":generateContent", ":streamGenerateContent")
 POLAR_HOSTS = set(DEFAULT_HOSTS.split(","))
 
 # How each harness is identified: Codex sends no API key (DESIGN.md), so its rollout id comes
@@ -47,11 +49,12 @@ ROLLOUTS = {
     "pi": ("harness-pi.0", "api_key"),
     "codex": ("harness-codex.1", "proxy_auth"),
     "claude": ("harness-claude.2", "api_key"),
+    "gemini": ("harness-gemini.3", "api_key"),  # x-goog-api-key
 }
 # How each rollout ends: through the control plane with a reward (what a trainer does once it has
 # scored the workdir), or, left open, at proxy shutdown as `incomplete`. Both paths are run.
 REWARD = 1.0
-ENDED_BY = {"pi": "shutdown", "codex": "control", "claude": "control"}
+ENDED_BY = {"pi": "shutdown", "codex": "control", "claude": "control", "gemini": "control"}
 CONTROL_TOKEN = "e2e-control-token"
 # vLLM's refusal of an output cap (Claude Code asks 128000): 0.33's of a cap above max_model_len,
 # older vLLM's of one that does not fit beside the prompt. The proxy sends the call once more
@@ -94,7 +97,15 @@ def polar_env(proxy: str, confdir: Path, rollout: str | None) -> str:
 
 def is_llm_request(entry: dict) -> bool:
     path = entry["path"].partition("?")[0]
-    return entry["method"] == "POST" and entry["host"] in POLAR_HOSTS and path in LLM_ENDPOINTS
+    llm = path in LLM_ENDPOINTS or path.endswith(GEMINI_METHODS)
+    return entry["method"] == "POST" and entry["host"] in POLAR_HOSTS and llm
+
+
+def requested_model(entry: dict) -> str:
+    """The model the harness asked for: in the body, or (Google's API) in the path."""
+    if "model" in entry["body"]:
+        return entry["body"]["model"]
+    return entry["path"].partition("?")[0].rpartition("/models/")[2].partition(":")[0]
 
 
 def header(entry: dict, name: str) -> str | None:
@@ -161,7 +172,7 @@ def assert_exact_calls(
         assert row["rollout_id"] == rollout and row["rollout_source"] == source
         assert row["host"] == sent["host"] and row["path"] == sent["path"].partition("?")[0]
         assert row["model_served"] == "Qwen/Qwen3-4B"
-        assert row["model_requested"] == sent["body"]["model"]
+        assert row["model_requested"] == requested_model(sent)
         want = asked["answer"]
         assert row["prompt_token_ids"] == want["prompt_token_ids"]
         assert row["output_token_ids"] == want["choices"][0]["token_ids"]
@@ -321,6 +332,30 @@ def test_real_harness(
         # clamps it, one upstream request per call (test_claude_code_output_cap: 32768).
         assert retried == 0, (retried, notes)
         assert seen.calls[0]["session_id"] == header(llm[0], "x-claude-code-session-id")
+    if name == "gemini":
+        check_gemini(seen, llm, trace)
+
+
+def check_gemini(seen: Observed, llm: list[dict], trace: dict) -> None:
+    """Gemini CLI: its model router's call (tool-less, JSON output) is a side call in a side
+    chain of its own; the agent loop streams (alt=sse) and sends its key as x-goog-api-key;
+    the thinking, sealed in the tool call's thoughtSignature, came back and was re-rendered."""
+    [router] = [r for r in seen.calls if r["purpose"] == "side"]
+    assert (
+        router["path"].endswith(":generateContent")
+        and router["call_id"] == seen.calls[0]["call_id"]
+    )
+    side = [t for t in seen.traces if router["call_id"] in t["call_ids"]]
+    assert [(t["role"], t["break_reason"], t["call_ids"]) for t in side] == [
+        ("side", "side_call", [router["call_id"]])
+    ]
+    mains = [e for e in llm if e["path"].partition("?")[0].endswith(":streamGenerateContent")]
+    assert len(mains) == 2 and all(e["path"].endswith("?alt=sse") for e in mains)
+    assert all(header(e, "x-goog-api-key") == "[redacted polar- key]" for e in llm)
+    second = mains[1]["body"]["contents"]
+    [call] = [p for c in second if c["role"] == "model" for p in c["parts"] if "functionCall" in p]
+    assert call["thoughtSignature"].startswith("polar1:")
+    assert not any(p.get("thought") for c in second for p in c["parts"])  # thoughts not sent back
 
 
 @pytest.mark.slow

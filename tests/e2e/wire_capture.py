@@ -7,21 +7,25 @@ polar-mitm addon on purpose, so what it records is the harness's own behaviour a
 dialect code's. Every request (CONNECT too) becomes one JSON line: method, host, path, headers
 with credentials redacted, the body (parsed JSON when it is JSON). LLM endpoints get a scripted,
 minimal but well-formed reply in the harness's own dialect (Responses SSE, Messages SSE, chat
-SSE); a WebSocket upgrade gets 426; everything else a JSON 404, as polar_other_paths=answer does.
+SSE, Google generateContent); a WebSocket upgrade gets 426; everything else a JSON 404, as
+polar_other_paths=answer does.
 
 The plan (JSON) says what each LLM turn answers, per dialect:
 
     {"responses": [{"custom": {"name": "exec", "input": "..."}}, {"text": "done"}],
      "messages":  [{"tool": {"name": "Bash", "arguments": {"command": "..."}}}, {"text": "done"}],
-     "chat":      [{"tool": {"name": "bash", "arguments": {"command": "..."}}}, {"text": "done"}]}
+     "chat":      [{"tool": {"name": "bash", "arguments": {"command": "..."}}}, {"text": "done"}],
+     "gemini":    [{"tool": {"name": "run_shell_command", "arguments": {...}}}, {"text": "done"}]}
 
 The turn index is the number of tool results already in the request; a request without tools
-(a side call: titles, summaries) gets {"text": "ok"}.
+(a side call: titles, summaries) gets {"text": "ok"}, or the plan's `"<dialect>_side"` turn when
+it has one (Gemini CLI's model router wants JSON).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -37,7 +41,12 @@ SECRET_HEADERS = {
     "api-key",
     "cookie",
     "chatgpt-account-id",
+    "x-goog-api-key",
 }
+
+
+# Google's API takes its key as a query parameter too (`?key=...`).
+_KEY_PARAM = re.compile(r"([?&]key=)[^&]*")
 
 
 def _redact(headers: http.Headers) -> list[list[str]]:
@@ -79,6 +88,13 @@ def _tool_results(dialect: str, body: dict[str, Any]) -> int:
                     if isinstance(b, dict) and b.get("type") == "tool_result"
                 )
         return n
+    if dialect == "gemini":
+        return sum(
+            1
+            for c in body.get("contents") or []
+            for p in (c.get("parts") or [] if isinstance(c, dict) else [])
+            if isinstance(p, dict) and "functionResponse" in p
+        )
     return sum(1 for m in body.get("messages") or [] if m.get("role") == "tool")
 
 
@@ -144,7 +160,7 @@ class WireCapture:
             "scheme": req.scheme,
             "host": req.host,
             "port": req.port,
-            "path": req.path,
+            "path": _KEY_PARAM.sub(r"\1[redacted]", req.path),
             "http_version": req.http_version,
             "headers": _redact(req.headers),
             "body": body,
@@ -176,6 +192,12 @@ class WireCapture:
             dialect = "messages"
         elif req.method == "POST" and path.endswith("/chat/completions"):
             dialect = "chat"
+        elif req.method == "POST" and path.endswith(":countTokens"):
+            flow.response = http.Response.make(
+                200, json.dumps({"totalTokens": 42}), {"content-type": "application/json"}
+            )
+        elif req.method == "POST" and path.endswith(("GenerateContent", ":generateContent")):
+            dialect = "gemini"
         else:
             flow.response = http.Response.make(
                 404,
@@ -193,14 +215,14 @@ class WireCapture:
             turn_no = _tool_results(dialect, body)
             plan = self._plan(dialect)
             if not _has_tools(dialect, body):
-                turn = {"text": "ok"}
+                turn = (self._plan(dialect + "_side") or [{"text": "ok"}])[0]
             elif turn_no < len(plan):
                 turn = plan[turn_no]
             else:
                 turn = {"text": "The scripted conversation has ended."}
             entry["answered"] = turn
-            stream = bool(body.get("stream"))
-            model = body.get("model") or "m"
+            stream = bool(body.get("stream")) or path.endswith(":streamGenerateContent")
+            model = body.get("model") or path.rpartition("/")[2].partition(":")[0] or "m"
             flow.response = getattr(self, "_" + dialect)(turn, stream, model)
         entry["status"] = flow.response.status_code if flow.response else None
         self._log(entry)
@@ -542,6 +564,31 @@ class WireCapture:
         ]
         return http.Response.make(
             200, b"".join(events) + b"data: [DONE]\n\n", {"content-type": "text/event-stream"}
+        )
+
+    def _gemini(self, turn: dict[str, Any], stream: bool, model: str) -> http.Response:
+        """Google `generateContent`: one GenerateContentResponse, or (`?alt=sse`) one per event."""
+        if "tool" in turn:
+            part = {
+                "functionCall": {"name": turn["tool"]["name"], "args": turn["tool"]["arguments"]}
+            }
+        else:
+            part = {"text": turn["text"]}
+        usage = {"promptTokenCount": 100, "candidatesTokenCount": 10, "totalTokenCount": 110}
+        reply = {
+            "candidates": [
+                {"content": {"role": "model", "parts": [part]}, "finishReason": "STOP", "index": 0}
+            ],
+            "usageMetadata": usage,
+            "modelVersion": model,
+            "responseId": uuid.uuid4().hex[:20],
+        }
+        if not stream:
+            return http.Response.make(200, json.dumps(reply), {"content-type": "application/json"})
+        return http.Response.make(
+            200,
+            b"data: " + json.dumps(reply).encode() + b"\r\n\r\n",
+            {"content-type": "text/event-stream"},
         )
 
 
