@@ -157,7 +157,7 @@ def _new_proxy_id() -> str:
 
 
 class Store:
-    """Durable capture store; see the module docstring and DESIGN.md "Records (Parquet)".
+    """Durable capture store; see the module docstring and docs/design.md, "Record layout".
 
     ``output`` is a local path or a pyarrow filesystem URI (``s3://bucket/prefix?endpoint_override=…``);
     ``filesystem`` may be given instead of a URI scheme (then ``output`` is the path inside it).
