@@ -20,7 +20,7 @@ from mitmproxy import ctx, http
 
 from ..call.exchange import Call, UpstreamSettings
 from ..call.gateway import Gateway
-from ..call.identity import API_KEY_PREFIX, api_key
+from ..call.identity import API_KEY_HEADERS, API_KEY_PREFIX, api_key
 from ..call.record import (
     REDACTED,
     SECRET_HEADERS,
@@ -396,13 +396,21 @@ class CaptureAddon:
         settings = UpstreamSettings(
             self.upstream,
             await self._served_model(),
-            self.connect_timeout,
-            self.stall_timeout,
-            self.retokenize.retokenizer if self.retokenize is not None else None,
-            book,
-            self.max_model_len,
+            connect_timeout=self.connect_timeout,
+            stall_timeout=self.stall_timeout,
+            retokenizer=self.retokenize.retokenizer if self.retokenize is not None else None,
+            exact=book,
+            max_model_len=self.max_model_len,
         )
-        call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
+        call = Call(
+            record,
+            dialect,
+            req,
+            settings=settings,
+            sinks=self.sinks,
+            secrets=secrets,
+            on_done=self._call_done,
+        )
         if self.metrics is not None:
             call.on_hold = self.metrics.durable_hold
         self.live[record.call_id] = call
@@ -476,7 +484,7 @@ class CaptureAddon:
         if ctx.options.polar_other_paths == "pass":
             key = api_key(flow.request.headers)
             if key and key.startswith(API_KEY_PREFIX):
-                for name in ("authorization", "x-api-key", "api-key"):
+                for name in API_KEY_HEADERS:
                     flow.request.headers.pop(name, None)
             return
         flow.response = _json_response(

@@ -19,16 +19,15 @@ from typing import Any, Protocol
 
 from .. import fastjson
 from ..store.delta import DELTA_BASE
+from .identity import API_KEY_HEADERS
 
 log = logging.getLogger(__name__)
 REDACTED = "[redacted]"
 # Headers whose values are credentials. Values are dropped, never hashed or truncated.
 SECRET_HEADERS = frozenset(
     {
-        "authorization",
+        *API_KEY_HEADERS,
         "proxy-authorization",
-        "x-api-key",
-        "api-key",
         "cookie",
         "set-cookie",
         "x-goog-api-key",

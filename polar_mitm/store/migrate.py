@@ -21,7 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .delta import PromptDelta, upgrade_row
-from .journal import DirectoryLock, fsync_dir
+from .files import replace_whole
+from .journal import DirectoryLock
 from .reader import list_shards
 from .schema import CALLS_SCHEMA, SCHEMA_VERSION
 from .shards import ShardWriter, resolve_output
@@ -94,20 +95,24 @@ def migrate(output: str, journal_dir: str | None = None) -> MigrationReport:
                     b"polar_migrated_from": str(version).encode(),
                 }
             )
-            table = table.replace_schema_metadata(meta)
-            tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".migrate")
-            pq.write_table(table, tmp, **options("calls", table))
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            report.bytes_before += os.path.getsize(path)
-            report.bytes_after += os.path.getsize(tmp)
-            os.replace(tmp, path)
-            fsync_dir(os.path.dirname(path))
+            _replace(path, table.replace_schema_metadata(meta), options("calls", table), report)
             report.shards += 1
             report.rows += len(rows)
     finally:
         lock.release()
     return report
+
+
+def _replace(path: str, table: pa.Table, options: dict, report: MigrationReport) -> None:
+    """The shard rewritten under its own name (see the module doc), its bytes counted."""
+
+    def measure(tmp: str) -> None:
+        report.bytes_before += os.path.getsize(path)
+        report.bytes_after += os.path.getsize(tmp)
+
+    replace_whole(
+        path,
+        lambda tmp: pq.write_table(table, tmp, **options),
+        tmp=os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".migrate"),
+        before_rename=measure,
+    )
