@@ -59,6 +59,17 @@ def parts_stored(output: Path) -> int:
     return n
 
 
+def split_shards(output: Path, n: int) -> None:
+    """Each calls shard as `n` shards of consecutive rows, named so they read in the same order."""
+    for path in list_shards(str(output), "calls"):
+        table = pq.read_table(path)
+        Path(path).unlink()
+        step = -(-len(table) // n)
+        for i in range(n):
+            part = table.slice(i * step, step)
+            pq.write_table(part, path.replace(".parquet", f"-{i}.parquet"))
+
+
 def assert_duckdb_reads_as_the_store(output: Path) -> None:
     calls = read_table(str(output), "calls").select(WHOLE_COLUMNS).to_pylist()
     assert duckdb_rows(output, "polar_calls", WHOLE_COLUMNS) == calls
@@ -88,11 +99,16 @@ def test_duckdb_alone_gives_every_call_whole_as_the_store_reader_does(
             assert (prompt is None) == (suffix is not None), call_id
         assert (request is None) == (middle is not None)
 
-    # the same session as schema 2 stored it (parts under the whole names), then migrated
+    # the same rows in four shards (bases in earlier ones), every other one as schema 2 stored
+    # it (parts under the whole names: a proxy upgraded mid-run), then migrated
     old = tmp_path / "old"
     shutil.copytree(data, old, ignore=shutil.ignore_patterns("_journal"))
-    for path in list_shards(str(old), "calls"):
+    split_shards(old, 4)
+    paths = list_shards(str(old), "calls")
+    assert len(paths) >= 4
+    for path in paths[::2]:
         pq.write_table(as_schema_2(pq.read_table(path)), path)
+    assert parts_stored(old) == parts_stored(data)
     assert_duckdb_reads_as_the_store(old)
     assert read_table(str(old), "calls").to_pylist() == read_table(str(data), "calls").to_pylist()
     migrated = subprocess.run(
@@ -103,7 +119,7 @@ def test_duckdb_alone_gives_every_call_whole_as_the_store_reader_does(
     assert read_table(str(old), "calls").to_pylist() == read_table(str(data), "calls").to_pylist()
 
 
-def test_polar_mitm_sql_prints_the_macros_and_runs_a_query(data: Path) -> None:
+def test_polar_mitm_sql_prints_the_macros_and_runs_a_query(data: Path, tmp_path: Path) -> None:
     printed = subprocess.run([POLAR, "sql"], capture_output=True, text=True, timeout=60)
     assert printed.returncode == 0 and printed.stdout == SQL_FILE.read_text(encoding="utf-8")
     where = subprocess.run([POLAR, "sql", "--path"], capture_output=True, text=True, timeout=60)
@@ -139,3 +155,17 @@ def test_polar_mitm_sql_prints_the_macros_and_runs_a_query(data: Path) -> None:
         [POLAR, "sql", str(data / "nowhere"), "SELECT 1"], capture_output=True, text=True
     )
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+    # calls written, no trace yet (no rollout ended): the calls view alone
+    shutil.copytree(data / "calls", tmp_path / "early" / "calls")
+    early = subprocess.run(
+        [POLAR, "sql", str(tmp_path / "early"), "SELECT count(*) AS n FROM calls", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert early.returncode == 0, early.stderr
+    assert json.loads(early.stdout) == {"n": len(calls)}
+    (tmp_path / "empty").mkdir()
+    empty = subprocess.run(
+        [POLAR, "sql", str(tmp_path / "empty"), "SELECT 1"], capture_output=True, text=True
+    )
+    assert empty.returncode == 1 and "no calls or traces shards under" in empty.stderr

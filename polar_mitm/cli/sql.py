@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from .captured import DataError, check_output
+from .captured import DataError, shard_paths
 
 SQL_FILE = "polar.sql"
 
@@ -30,15 +30,16 @@ def sql_text() -> str:
     return resources.files("polar_mitm.store").joinpath(SQL_FILE).read_text(encoding="utf-8")
 
 
-def connect(directory: str):  # -> duckdb.DuckDBPyConnection (duckdb is optional)
-    """A DuckDB connection with the macros, and views ``calls`` / ``traces`` on ``directory``."""
+def connect(directory: str, datasets: tuple[str, ...] = ("calls", "traces")):
+    """A DuckDB connection with the macros, and views ``calls`` / ``traces`` on ``directory``
+    (only those in ``datasets``: DuckDB refuses a view over files that do not exist)."""
     import duckdb
 
     con = duckdb.connect()
     con.execute(sql_text())
     root = directory.rstrip("/").replace("'", "''")
-    con.execute(f"CREATE VIEW calls AS SELECT * FROM polar_calls('{root}')")
-    con.execute(f"CREATE VIEW traces AS SELECT * FROM polar_traces('{root}')")
+    for name in datasets:
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM polar_{name}('{root}')")
     return con
 
 
@@ -57,7 +58,8 @@ def sql(directory: str | None, query: str | None, show_path: bool, as_json: bool
         duckdb -c ".read polar.sql" -c "SELECT * FROM polar_calls('polar-data')"
 
     With DIRECTORY and QUERY, run QUERY (needs the duckdb package) where the views ``calls`` and
-    ``traces`` hold DIRECTORY's rows as polar-mitm reads them:
+    ``traces`` hold DIRECTORY's rows as polar-mitm reads them (a dataset with no shards yet has
+    no view):
 
         polar-mitm sql polar-data "SELECT rollout_id, len(prompt_token_ids) FROM calls"
     """
@@ -72,15 +74,17 @@ def sql(directory: str | None, query: str | None, show_path: bool, as_json: bool
     if query is None:
         fail('give a QUERY after the DIRECTORY (e.g. "SELECT count(*) FROM calls")')
     try:
-        check_output(directory)
+        datasets = tuple(d for d in ("calls", "traces") if shard_paths(directory, d))
     except DataError as e:
         fail(str(e))
+    if not datasets:
+        fail(f"no calls or traces shards under {directory} (is it the proxy's polar_output?)")
     try:
         import duckdb
     except ImportError:
         fail("polar-mitm sql DIRECTORY QUERY needs duckdb: pip install duckdb")
     try:
-        result = connect(directory).sql(query)
+        result = connect(directory, datasets).sql(query)
         if result is None:  # a statement without rows
             return
         if as_json:

@@ -13,7 +13,8 @@
 --
 -- Shards are immutable and a crash can leave a row in two of them, so each key keeps its last
 -- written copy (shards in name order: time, then proxy); a trace keeps its highest revision.
--- `root` is the proxy's polar_output: a local directory or an s3:// URI DuckDB can read.
+-- `root` is the proxy's polar_output, a local directory (tested; DuckDB's read_parquet also takes
+-- remote paths through its own extensions, not tested here).
 
 -- Every calls shard, one row per call_id, with the columns of every schema (older shards lack
 -- the later columns: null here), in the order polar-mitm reads them (shard name, row).
@@ -24,7 +25,7 @@ CREATE OR REPLACE MACRO polar_calls_stored(root) AS TABLE
             *,
             row_number() OVER (
                 PARTITION BY call_id
-                ORDER BY parse_filename(filename) DESC, filename DESC, file_row_number DESC
+                ORDER BY regexp_extract(filename, '[^/]*$') DESC, filename DESC, file_row_number DESC
             ) AS polar_rank
         FROM (
             SELECT *
@@ -106,7 +107,7 @@ CREATE OR REPLACE MACRO polar_calls(root) AS TABLE
         REPLACE (w.prompt AS prompt_token_ids, w.request AS request_json)
     FROM stored s
     LEFT JOIN whole w USING (call_id)
-    ORDER BY parse_filename(s.filename), s.filename, s.file_row_number;
+    ORDER BY regexp_extract(s.filename, '[^/]*$'), s.filename, s.file_row_number;
 
 -- Every trace once: the highest revision (a reward join writes a new one), then the last written.
 CREATE OR REPLACE MACRO polar_traces(root) AS TABLE
@@ -117,7 +118,7 @@ CREATE OR REPLACE MACRO polar_traces(root) AS TABLE
             row_number() OVER (
                 PARTITION BY trace_id
                 ORDER BY coalesce(revision, -1) DESC,
-                    parse_filename(filename) DESC, filename DESC, file_row_number DESC
+                    regexp_extract(filename, '[^/]*$') DESC, filename DESC, file_row_number DESC
             ) AS polar_rank
         FROM read_parquet(
             root || '/traces/**/part-*.parquet',
@@ -126,4 +127,4 @@ CREATE OR REPLACE MACRO polar_traces(root) AS TABLE
         )
     )
     WHERE polar_rank = 1
-    ORDER BY parse_filename(filename), filename, file_row_number;
+    ORDER BY regexp_extract(filename, '[^/]*$'), filename, file_row_number;
