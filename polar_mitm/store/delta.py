@@ -21,7 +21,7 @@ so ``prompt = (prompt(base) + output(base))[:n] + prompt_suffix_ids`` and
 that column is stored whole, in `prompt_token_ids` / `request_json` (the first call of a
 rollout, too little shared). So a column named for a whole value holds a whole value or null,
 never a part: a reader without this module (DuckDB, pyarrow, `datasets`) cannot take a suffix
-for a prompt (schema 3; calls.sql next to this module resolves them in DuckDB alone).
+for a prompt (schema 3; polar.sql next to this module resolves them in DuckDB alone).
 
 Schema 2 (shards and journals written before) stored the parts under the whole names, telling
 them apart by the non-null length; `upgrade_row` and the resolver read that form too (a row

@@ -15,7 +15,7 @@ import pyarrow as pa
 # 2: that part stored under prompt_token_ids / request_json (store/delta.py), and the lineage
 # columns calls.agent, traces.purpose, traces.agent (nullable).
 # 1: whole prompts and requests, no lineage columns (read as null).
-# Shards of every version read the same through the store's readers and calls.sql;
+# Shards of every version read the same through the store's readers and polar.sql;
 # `polar-mitm migrate` rewrites schema 1 and 2 shards as schema 3 (docs/store.md).
 SCHEMA_VERSION = 3
 
@@ -77,7 +77,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("prompt_base_len", pa.int32()),  # ids shared with its prompt + output
         pa.field("request_base_prefix", pa.int32()),  # characters shared with its request_json
         pa.field("request_base_suffix", pa.int32()),  # ... at the start, and at the end
-        # schema 3: the stored parts under their own names (read whole: store.read_table, calls.sql)
+        # schema 3: the stored parts under their own names (read whole: store.read_table, polar.sql)
         pa.field("prompt_suffix_ids", _IDS),  # the prompt ids after prompt_base_len
         pa.field("request_middle", pa.string()),  # request_json between the shared ends
     ]
