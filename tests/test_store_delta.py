@@ -95,6 +95,16 @@ def assert_no_part_under_a_whole_name(out: Path, rows: list[dict]) -> int:
     return parts
 
 
+def migrate(out: Path) -> subprocess.CompletedProcess:
+    """`polar-mitm migrate OUT` in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "polar_mitm.cli.app", "migrate", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def as_schema_2(table: pa.Table) -> pa.Table:
     """A shard as schema 2 wrote it: the parts under the whole columns' names."""
     for whole, (part, length) in PARTS.items():
@@ -253,12 +263,7 @@ def test_schema_2_shards_read_whole_and_migrate_to_parts_under_their_own_names(
     )
     assert few.column("prompt_token_ids").to_pylist() == [r["prompt_token_ids"] for r in rows]
     assert few.column("request_json").to_pylist() == [r["request_json"] for r in rows]
-    proc = subprocess.run(
-        [sys.executable, "-m", "polar_mitm.cli.app", "migrate", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = migrate(tmp_path)
     assert proc.returncode == 0, proc.stderr
     shards = len(list_shards(tmp_path, "calls"))
     assert f"migrated {shards} calls shards ({len(rows)} rows) to schema 3" in proc.stdout
@@ -343,29 +348,14 @@ def test_migrate_rewrites_schema_1_shards_smaller_and_reads_the_same(tmp_path: P
             compression="zstd",
         )
     before = read_table(tmp_path, "calls").to_pylist()
-    proc = subprocess.run(
-        [sys.executable, "-m", "polar_mitm.cli.app", "migrate", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = migrate(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"migrated 3 calls shards (18 rows) to schema {SCHEMA_VERSION}" in proc.stdout
     assert read_table(tmp_path, "calls").to_pylist() == before
     assert assert_no_part_under_a_whole_name(tmp_path, rows) > 0
     assert stored_sizes(tmp_path)[0] < sum(len(r["prompt_token_ids"]) for r in rows) / 3
-    again = subprocess.run(
-        [sys.executable, "-m", "polar_mitm.cli.app", "migrate", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    again = migrate(tmp_path)
     assert f"nothing to migrate (3 calls shards already schema {SCHEMA_VERSION})" in again.stdout
     with Store(tmp_path):  # a running proxy holds the lock: migrate refuses
-        busy = subprocess.run(
-            [sys.executable, "-m", "polar_mitm.cli.app", "migrate", str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        busy = migrate(tmp_path)
     assert busy.returncode == 1 and "in use by another polar-mitm store" in busy.stderr

@@ -44,19 +44,27 @@ CREATE OR REPLACE MACRO polar_calls_stored(root) AS TABLE
     )
     WHERE polar_rank = 1;
 
--- A prompt from its base's prompt and output ids: the first n of those, then the stored part.
-CREATE OR REPLACE MACRO polar_prompt(base_prompt, base_output, n, part) AS
+-- A call's whole prompt: stored whole (no length n), or the first n of its base's prompt and
+-- output ids, then the stored part (schema 2 kept the part under the whole column's name: hence
+-- the coalesce). Null when the base's is unknown.
+CREATE OR REPLACE MACRO polar_prompt(base_prompt, base_output, n, whole, part) AS
     CASE
-        WHEN base_prompt IS NULL OR part IS NULL THEN NULL
+        WHEN n IS NULL THEN whole
+        WHEN base_prompt IS NULL OR coalesce(part, whole) IS NULL THEN NULL
         WHEN n > len(base_prompt) + coalesce(len(base_output), 0) THEN NULL
-        ELSE list_concat(list_slice(list_concat(base_prompt, coalesce(base_output, [])), 1, n), part)
+        ELSE list_concat(
+            list_slice(list_concat(base_prompt, coalesce(base_output, [])), 1, n),
+            coalesce(part, whole)
+        )
     END;
 
--- A request from its base's: the first p characters, the stored middle, the last q.
-CREATE OR REPLACE MACRO polar_request(base_request, p, q, middle) AS
+-- A call's whole request: stored whole (no p), or its base's first p characters, the stored
+-- middle, the base's last q.
+CREATE OR REPLACE MACRO polar_request(base_request, p, q, whole, middle) AS
     CASE
-        WHEN base_request IS NULL OR middle IS NULL THEN NULL
-        ELSE substring(base_request, 1, p) || middle
+        WHEN p IS NULL THEN whole
+        WHEN base_request IS NULL OR coalesce(middle, whole) IS NULL THEN NULL
+        ELSE substring(base_request, 1, p) || coalesce(middle, whole)
             || substring(base_request, length(base_request) - coalesce(q, 0) + 1, coalesce(q, 0))
     END;
 
@@ -67,35 +75,32 @@ CREATE OR REPLACE MACRO polar_calls(root) AS TABLE
     WITH RECURSIVE
         stored AS (SELECT * FROM polar_calls_stored(root)),
         whole(call_id, prompt, output, request) AS (
-            -- calls that rest on no call read here: what they store whole is whole
+            -- calls that rest on no call read here: what they store whole is whole, a part null
             SELECT
                 s.call_id,
-                CASE WHEN s.prompt_base_len IS NULL THEN s.prompt_token_ids END,
+                polar_prompt(
+                    NULL, NULL, s.prompt_base_len, s.prompt_token_ids, s.prompt_suffix_ids
+                ),
                 s.output_token_ids,
-                CASE WHEN s.request_base_prefix IS NULL THEN s.request_json END
+                polar_request(
+                    NULL, s.request_base_prefix, s.request_base_suffix, s.request_json,
+                    s.request_middle
+                )
             FROM stored s
             WHERE s.base_call_id IS NULL
                 OR s.base_call_id NOT IN (SELECT call_id FROM stored)
             UNION ALL
-            -- then, a level at a time, the calls resting on those (schema 2 kept the part under
-            -- the whole column's name: hence the coalesce)
+            -- then, a level at a time, the calls resting on those
             SELECT
                 s.call_id,
-                CASE
-                    WHEN s.prompt_base_len IS NULL THEN s.prompt_token_ids
-                    ELSE polar_prompt(
-                        b.prompt, b.output, s.prompt_base_len,
-                        coalesce(s.prompt_suffix_ids, s.prompt_token_ids)
-                    )
-                END,
+                polar_prompt(
+                    b.prompt, b.output, s.prompt_base_len, s.prompt_token_ids, s.prompt_suffix_ids
+                ),
                 s.output_token_ids,
-                CASE
-                    WHEN s.request_base_prefix IS NULL THEN s.request_json
-                    ELSE polar_request(
-                        b.request, s.request_base_prefix, s.request_base_suffix,
-                        coalesce(s.request_middle, s.request_json)
-                    )
-                END
+                polar_request(
+                    b.request, s.request_base_prefix, s.request_base_suffix, s.request_json,
+                    s.request_middle
+                )
             FROM whole b
             JOIN stored s ON s.base_call_id = b.call_id
         )
