@@ -14,6 +14,7 @@ _UA_RULES = (
     (re.compile(r"codex", re.I), "codex"),
     (re.compile(r"claude-cli|claude-code", re.I), "claude-code"),
     (re.compile(r"pi-coding-agent|\bpi/", re.I), "pi"),
+    (re.compile(r"GeminiCLI", re.I), "gemini-cli"),
     (re.compile(r"^OpenAI/Python", re.I), "openai-python"),
     (re.compile(r"^OpenAI/JS", re.I), "openai-js"),
 )

@@ -20,7 +20,7 @@ from mitmproxy import ctx, http
 
 from ..call.exchange import Call, UpstreamSettings
 from ..call.gateway import Gateway
-from ..call.identity import API_KEY_HEADERS, API_KEY_PREFIX, api_key
+from ..call.identity import API_KEY_PREFIX, api_key
 from ..call.record import (
     REDACTED,
     SECRET_HEADERS,
@@ -484,7 +484,7 @@ class CaptureAddon:
         if ctx.options.polar_other_paths == "pass":
             key = api_key(flow.request.headers)
             if key and key.startswith(API_KEY_PREFIX):
-                for name in API_KEY_HEADERS:
+                for name in ("authorization", "x-api-key", "api-key"):
                     flow.request.headers.pop(name, None)
             return
         flow.response = _json_response(

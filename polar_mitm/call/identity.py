@@ -18,11 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 API_KEY_PREFIX = "polar-"
-# The headers a harness sends its API key in (Bearer in the first): where a `polar-<rollout>` key
-# is read, what is dropped before a flow passes to a real host, and credentials to redact
-# (`record.SECRET_HEADERS`).
-API_KEY_HEADERS = ("authorization", "x-api-key", "api-key")
 ROLLOUT_HEADER = "x-polar-rollout"
+KEY_PARAM = "key"  # Google's API takes its key as a query parameter too
+# The headers an API key comes in (`authorization` as `Bearer <key>`), first found first used.
+KEY_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
 # Session/conversation headers the harnesses send (Claude Code, Codex), most specific first.
 SESSION_HEADERS = (
     "x-claude-code-session-id",
@@ -74,14 +73,10 @@ def proxy_user(header_value: str | None) -> str | None:
 
 
 def api_key(headers: Mapping[str, str]) -> str | None:
-    """The API key of the first of `API_KEY_HEADERS` that has one (`Bearer` taken off)."""
-    for name in API_KEY_HEADERS:
-        value = headers.get(name, "")
-        if name == "authorization":
-            value = value[7:].strip() if value[:7].lower() == "bearer " else ""
-        if value:
-            return value
-    return None
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return headers.get("x-api-key") or headers.get("api-key") or None
 
 
 def session_of(headers: Mapping[str, str]) -> str | None:
