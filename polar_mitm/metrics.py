@@ -32,8 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from .call.record import CallRecord
-from .cli.fidelity_report import harness_of_agent
-from .cli.summary import checked_with_tokenizer
+from .record_facts import checked_with_tokenizer, harness_of_agent
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -17,6 +17,7 @@ import os
 import posixpath
 from typing import Any
 
+from .store.files import replace_text
 from .store.shards import resolve_output
 
 log = logging.getLogger(__name__)
@@ -37,17 +38,15 @@ def write(output: str, spec: str, kind: str, proxy_id: str | None = None) -> Non
     """Put the sidecar under ``output`` (local or remote), replacing an older one whole."""
     where = resolve_output(output)
     data = {"spec": portable(spec), "kind": kind, "proxy_id": proxy_id}
-    body = (json.dumps(data, ensure_ascii=False, indent=1) + "\n").encode()
+    text = json.dumps(data, ensure_ascii=False, indent=1) + "\n"
     if where.local:
         os.makedirs(where.root, exist_ok=True)
         path = os.path.join(where.root, FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(body)
-        os.replace(tmp, path)
+        # a name per process: proxies sharing an output may write it at once
+        replace_text(path, text, tmp=f"{path}.{os.getpid()}.tmp", durable=False)
         return
     with where.fs.open_output_stream(posixpath.join(where.root, FILE)) as f:
-        f.write(body)
+        f.write(text.encode())
 
 
 def read(output: str) -> dict[str, Any] | None:

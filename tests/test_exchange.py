@@ -82,7 +82,7 @@ def test_reply_is_complete_before_the_record_is_retokenized():
         req = dialect.parse(json.dumps(body).encode(), "/v1/chat/completions")
         upstream = SGLang(url)
         settings = UpstreamSettings(upstream, "Qwen/Qwen3-4B", retokenizer=retokenizer)
-        call = Call(CallRecord(rollout_id="r.0"), dialect, req, settings, [sink])
+        call = Call(CallRecord(rollout_id="r.0"), dialect, req, settings=settings, sinks=[sink])
         out = RecordingOutput()
         try:
             async with aiohttp.ClientSession() as session:

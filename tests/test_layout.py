@@ -3,13 +3,17 @@
 Imports point down the data path: no import cycles (deferred and type-only imports count: a cycle
 tied by a function-level import is still two modules that cannot be read apart); the CLI reads
 the store and never pulls in the proxy's live modules; `call/` and everything else below the
-addons never import `addons/`. Parsing, not importing, so the test is fast and sees the lazy
-imports too.
+addons never import `addons/`; nothing but the CLI imports the CLI (the live proxy least of all),
+nor anything but the reference policy server that server; the store and the upstream modules
+are floors that import nothing of the package above them; `store/delta.py` imports nothing of it
+at all (scripts/train_check.py loads it by path in a venv without polar-mitm). Parsing, not
+importing, so the test is fast and sees the lazy imports too.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,18 @@ LIVE = (
     "polar_mitm.trajectory.rollouts",
     "polar_mitm.tokens.fidelity",
 )
+
+
+# Packages imported by their own modules only: the CLI is the top floor (it reads the shards; the
+# live proxy must not load it), and the reference policy server is a tool of its own.
+PRIVATE = ("polar_mitm.cli", "polar_mitm.policy_server")
+# Floors: packages that import nothing of polar_mitm outside themselves (the package root, for its
+# version, aside): the store is what every reader needs without the proxy, and an upstream module
+# knows one server's wire, nothing of the proxy.
+FLOORS = ("polar_mitm.store", "polar_mitm.upstream")
+# Modules loaded by path where polar_mitm is not installed: no import of the package at all, and
+# of other distributions only these (scripts/train_check.py's trainer venv has numpy, pyarrow).
+STANDALONE = {"polar_mitm.store.delta": {"numpy", "pyarrow"}}
 
 
 def modules(root: Path) -> dict[str, tuple[Path, bool]]:
@@ -131,7 +147,32 @@ def violations(root: Path) -> list[str]:
         for target, via in sorted(reach(graph, module).items()):
             if under(target, banned):
                 out.append(f"{module} imports {target} (via {via}): {rule}")
+    for module in sorted(graph):
+        for target in sorted(graph[module]):
+            owner = next((p for p in PRIVATE if under(target, (p,))), None)
+            if owner is not None and not under(module, (owner,)):
+                out.append(f"{module} imports {target}: only {owner} imports {owner}")
+            floor = next((f for f in FLOORS if under(module, (f,))), None)
+            if floor is not None and target != PACKAGE and not under(target, (floor,)):
+                out.append(f"{module} imports {target}: {floor} is a floor")
+    for module, allowed in STANDALONE.items():
+        if module in graph:
+            out.extend(f"{module} imports {m}: it is loaded by path" for m in sorted(graph[module]))
+            foreign = third_party(root, module) - allowed
+            out.extend(f"{module} imports {m}: it is loaded by path" for m in sorted(foreign))
     return out
+
+
+def third_party(root: Path, module: str) -> set[str]:
+    """The distributions a module imports: top-level names neither stdlib nor the package."""
+    path = root / (module.replace(".", "/") + ".py")
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"__future__", PACKAGE}
 
 
 def test_polar_mitm_keeps_the_house_rules() -> None:
@@ -174,6 +215,22 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
         (  # `from package import module` is an edge to the module
             {"call/gateway.py": "from ..addons import store\n", "addons/store.py": ""},
             "polar_mitm.call.gateway imports polar_mitm.addons.store",
+        ),
+        (  # the live proxy's metrics borrowing a CLI helper
+            {"metrics.py": "from .cli.summary import checked\n", "cli/summary.py": ""},
+            "polar_mitm.metrics imports polar_mitm.cli.summary: only polar_mitm.cli imports",
+        ),
+        (  # the store reaching up into the proxy
+            {"store/writer.py": "from ..tokens import count\n", "tokens/count.py": ""},
+            "polar_mitm.store.writer imports polar_mitm.tokens.count: polar_mitm.store is a floor",
+        ),
+        (  # the module the trainer venv loads by path, importing the package
+            {"store/delta.py": "from . import schema\n", "store/schema.py": ""},
+            "polar_mitm.store.delta imports polar_mitm.store.schema: it is loaded by path",
+        ),
+        (  # ... or a distribution that venv does not have
+            {"store/delta.py": "import msgpack\n"},
+            "polar_mitm.store.delta imports msgpack: it is loaded by path",
         ),
     ],
 )

@@ -47,7 +47,15 @@ def _plan(parse_tools: bool = True) -> ExactPlan:
 
 def _reply(tok, kind: str = "vllm") -> TokenInReply:
     upstream = UPSTREAMS[kind]("http://127.0.0.1:9")
-    return TokenInReply(upstream, _plan(), family("qwen3"), tok.specials, TokenTally(), "m", False)
+    return TokenInReply(
+        upstream,
+        _plan(),
+        family=family("qwen3"),
+        specials=tok.specials,
+        tally=TokenTally(),
+        model="m",
+        wants_logprobs=False,
+    )
 
 
 def _chunk(text: str, ids: list[int], finish: str | None) -> dict:

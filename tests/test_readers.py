@@ -23,6 +23,8 @@ from polar_mitm.store import CALLS_SCHEMA, Store, list_shards, read_table
 from .clients import http_client
 from .s3 import MotoS3
 from .test_capture_e2e import SCENARIO
+from .test_store_delta import interleaved
+from .test_store_delta import session as agent_session
 
 pytestmark = pytest.mark.slow
 
@@ -131,6 +133,62 @@ def test_hf_datasets_load_dataset_parquet(
     assert pc.sum(pc.list_value_length(table["output_token_ids"])).as_py() == truth["output_tokens"]
     assert pc.sum(pc.list_flatten(table["output_token_ids"])).as_py() == truth["output_id_sum"]
     assert dset.features["prompt_token_ids"].feature.dtype == "int32"
+
+
+def test_no_reader_gets_a_part_under_a_whole_prompts_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Agent sessions, whose later calls the Store keeps as parts (a prompt's suffix, a request's
+    middle): DuckDB, `datasets` and pyarrow without polar-mitm get under ``prompt_token_ids`` /
+    ``request_json`` the whole value or null, never a part; DuckDB with the shipped macros
+    (polar_mitm/store/polar.sql) gets every one whole."""
+    duckdb = pytest.importorskip("duckdb")
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = interleaved(agent_session("a", 6, 1), agent_session("b", 6, 2))
+    truth = {r["call_id"]: r for r in rows}
+    out = tmp_path / "polar-data"
+    with Store(out, flush_rows=4) as store:
+        for row in rows:
+            store.append("calls", row)
+    glob = f"{out}/calls/**/*.parquet"
+    plain = {
+        "pyarrow": ds.dataset(str(out / "calls"), format="parquet", partitioning="hive")
+        .to_table()
+        .to_pylist(),
+        "duckdb": [
+            {"call_id": c, "prompt_token_ids": p, "request_json": q}
+            for c, p, q in duckdb.sql(
+                "SELECT call_id, prompt_token_ids, request_json "
+                f"FROM read_parquet('{glob}', union_by_name = true)"
+            ).fetchall()
+        ],
+        "datasets": datasets.load_dataset(
+            "parquet",
+            data_files={"train": glob},
+            split="train",
+            features=datasets.Features.from_arrow_schema(CALLS_SCHEMA),
+            cache_dir=str(tmp_path / "hf-cache"),
+        ).to_list(),
+    }
+    for reader, got in plain.items():
+        assert len(got) == len(rows), reader
+        parts = 0
+        for r in got:
+            prompt, request = r["prompt_token_ids"], r["request_json"]
+            prompt = None if prompt is None else list(prompt)
+            assert prompt in (None, truth[r["call_id"]]["prompt_token_ids"]), reader
+            assert request in (None, truth[r["call_id"]]["request_json"]), reader
+            parts += prompt is None
+        assert parts == 2 * 5, reader  # each rollout's calls after its first
+    con = duckdb.connect()
+    con.execute((Path(__file__).parent.parent / "polar_mitm/store/polar.sql").read_text())
+    whole = con.execute(
+        f"SELECT call_id, prompt_token_ids, request_json FROM polar_calls('{out}')"
+    ).fetchall()
+    assert {c: (p, q) for c, p, q in whole} == {
+        c: (r["prompt_token_ids"], r["request_json"]) for c, r in truth.items()
+    }
 
 
 def _lengths(batch: pa.Table) -> pa.Table:

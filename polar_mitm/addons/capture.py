@@ -426,13 +426,21 @@ class CaptureAddon:
         settings = UpstreamSettings(
             self.upstream,
             await self._served_model(),
-            self.connect_timeout,
-            self.stall_timeout,
-            self.retokenize.retokenizer if self.retokenize is not None else None,
-            book,
-            self.max_model_len,
+            connect_timeout=self.connect_timeout,
+            stall_timeout=self.stall_timeout,
+            retokenizer=self.retokenize.retokenizer if self.retokenize is not None else None,
+            exact=book,
+            max_model_len=self.max_model_len,
         )
-        call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
+        call = Call(
+            record,
+            dialect,
+            req,
+            settings=settings,
+            sinks=self.sinks,
+            secrets=secrets,
+            on_done=self._call_done,
+        )
         if self.metrics is not None:
             call.on_hold = self.metrics.durable_hold
         self.live[record.call_id] = call

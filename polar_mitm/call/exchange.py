@@ -21,7 +21,7 @@ import logging
 import re
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 import aiohttp
@@ -97,6 +97,7 @@ class Output(Protocol):
 class UpstreamSettings:
     upstream: Upstream
     model: str | None
+    _: KW_ONLY
     connect_timeout: float = 10.0
     stall_timeout: float = 300.0
     retokenizer: Retokenizer | None = None  # the no-ids fallback, when polar_tokenizer allows it
@@ -129,6 +130,7 @@ class Call:
         record: CallRecord,
         dialect: Dialect,
         req: HarnessRequest,
+        *,
         settings: UpstreamSettings,
         sinks: Sequence[CallSink],
         secrets: Sequence[str] = (),
@@ -194,11 +196,11 @@ class Call:
             self.text_reply = TokenInReply(
                 upstream,
                 plan,
-                exact.family,
-                exact.tokenizer.specials,
-                self.tally,
-                model,
-                self.req.wants_logprobs,
+                family=exact.family,
+                specials=exact.tokenizer.specials,
+                tally=self.tally,
+                model=model,
+                wants_logprobs=self.req.wants_logprobs,
             )
         else:
             stream_upstream = self.req.stream and upstream.streams_with_tokens

@@ -1,6 +1,6 @@
 """Which rollout a call belongs to, without changing the harness.
 
-Precedence (DESIGN.md, "Rollout identity"):
+Precedence (docs/design.md, "Rollout identity"):
 1. proxy credentials in the proxy URL (`HTTPS_PROXY=http://<rollout>:<x>@proxy:8080`), which
    arrive as `Proxy-Authorization: Basic ...` on CONNECT and hold for the whole connection;
 2. an API key of the form `polar-<rollout>` (`Authorization: Bearer ...`, `x-api-key`, or

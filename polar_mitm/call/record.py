@@ -19,19 +19,17 @@ from typing import Any, Protocol
 
 from .. import fastjson
 from ..store.delta import DELTA_BASE
+from .identity import KEY_HEADERS
 
 log = logging.getLogger(__name__)
 REDACTED = "[redacted]"
 # Headers whose values are credentials. Values are dropped, never hashed or truncated.
 SECRET_HEADERS = frozenset(
     {
-        "authorization",
+        *KEY_HEADERS,  # the API keys
         "proxy-authorization",
-        "x-api-key",
-        "api-key",
         "cookie",
         "set-cookie",
-        "x-goog-api-key",
         "openai-organization",
         "openai-project",
         "chatgpt-account-id",

@@ -29,6 +29,7 @@ class TokenInReply:
         self,
         upstream: Upstream,
         plan: ExactPlan,
+        *,
         family: Family,
         specials: dict[str, int],
         tally: TokenTally,

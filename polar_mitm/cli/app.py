@@ -569,7 +569,7 @@ def recover(directory: str, journal: str | None) -> None:
     click.echo(str(report))
 
 
-@main.command(short_help="Rewrite schema-1 calls shards as schema 2 (smaller).")
+@main.command(short_help="Rewrite schema-1/2 calls shards as schema 3.")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--journal",
@@ -578,9 +578,12 @@ def recover(directory: str, journal: str | None) -> None:
     help="Journal dir whose lock keeps a proxy out meanwhile (default: DIRECTORY/_journal).",
 )
 def migrate(directory: str, journal: str | None) -> None:
-    """Store each call of old shards as what it adds to its rollout's previous call.
+    """Rewrite old calls shards in the current schema (3).
 
-    Old shards read the same without it; this reclaims their space (docs/store.md, schema 2).
+    Schema 1: each call stored as what it adds to its rollout's previous call (smaller).
+    Schema 2: the stored parts moved to prompt_suffix_ids / request_middle, so readers without
+    polar-mitm never take a suffix for a prompt. Both read the same through polar-mitm without
+    it (docs/store.md, "Schema and migrations").
     """
     from ..store.migrate import migrate as migrate_shards
 
@@ -601,6 +604,7 @@ def _register_optional() -> None:
     """Commands whose modules are written separately, imported when they are run."""
     LazyGroup.lazy["policy-server"] = "polar_mitm.policy_server.cli:policy_server"
     LazyGroup.lazy["top"] = "polar_mitm.cli.top:top"
+    LazyGroup.lazy["sql"] = "polar_mitm.cli.sql:sql"
 
 
 _register_optional()

@@ -13,7 +13,6 @@ largest count any check found; it is grouped with the call that sampled it.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,18 +23,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..record_facts import checked_with_tokenizer, harness_of_agent
 from ..tokens.drift import FLAGS
 from .listing import Column, Listing, emit
-from .summary import checked_with_tokenizer
-
-_UA_RULES = (
-    (re.compile(r"codex", re.I), "codex"),
-    (re.compile(r"claude-cli|claude-code", re.I), "claude-code"),
-    (re.compile(r"pi-coding-agent|\bpi/", re.I), "pi"),
-    (re.compile(r"GeminiCLI", re.I), "gemini-cli"),
-    (re.compile(r"^OpenAI/Python", re.I), "openai-python"),
-    (re.compile(r"^OpenAI/JS", re.I), "openai-js"),
-)
 
 
 def harness_of(headers_json: str | None) -> str:
@@ -45,15 +35,6 @@ def harness_of(headers_json: str | None) -> str:
     except ValueError:
         headers = {}
     return harness_of_agent(str(headers.get("user-agent", "")) if isinstance(headers, dict) else "")
-
-
-def harness_of_agent(ua: str) -> str:
-    """The harness a User-Agent names."""
-    for pattern, name in _UA_RULES:
-        if pattern.search(ua):
-            return name
-    product = ua.split("/", 1)[0].split(" ", 1)[0].strip().lower()
-    return product or "unknown"
 
 
 @dataclass(slots=True)

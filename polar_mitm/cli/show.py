@@ -21,9 +21,9 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from ..record_facts import checked_with_tokenizer
 from ..trajectory.traceview import Segment, segments
 from . import chaintree
-from .summary import checked_with_tokenizer
 
 ENV_STYLE = Style(color="cyan")
 POLICY_STYLE = Style(color="green", bold=True)

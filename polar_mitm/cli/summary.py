@@ -10,12 +10,13 @@ table. Tables may hold only the columns `captured.CALL_FIGURES` / `TRACE_FIGURES
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from ..record_facts import CHECKED_WITH_TOKENIZER
 
 
 @dataclass(slots=True)
@@ -96,19 +97,6 @@ def _col(table: pa.Table, column: str) -> list[Any]:
     if column not in table.column_names:
         return [None] * table.num_rows
     return table[column].to_pylist()
-
-
-# A call whose fidelity checks ran with the policy tokenizer: `fidelity_check.apply_findings`
-# writes {"checked": {"mode": ..., "tokenizer": "<spec>"}}. Without a tokenizer ("tokenizer":
-# null) only token positions are compared, not what the text would retokenize to: such a call
-# counts as not checked, so no listing says "no flags" for it.
-CHECKED_WITH_TOKENIZER = r'"checked": \{"mode": "[a-z]+", "tokenizer": "'
-_CHECKED = re.compile(CHECKED_WITH_TOKENIZER)
-
-
-def checked_with_tokenizer(fidelity_json: str | None) -> bool:
-    """Did a fidelity check with the policy tokenizer run on this call (its ``fidelity_json``)?"""
-    return bool(fidelity_json) and _CHECKED.search(fidelity_json) is not None
 
 
 def _checked(table: pa.Table) -> list[bool]:

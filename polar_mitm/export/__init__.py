@@ -14,6 +14,7 @@ import pkgutil
 import tempfile
 from collections import Counter
 
+from ..store.files import replace_whole
 from .base import ExportFormat, ExportOptions, ExportResult, Record, build_records, select
 
 FORMATS: dict[str, ExportFormat] = {}
@@ -31,19 +32,16 @@ def export(
     """Write ``records`` to ``out`` in ``fmt``; a reader never sees a half-written file."""
     directory = os.path.dirname(os.path.abspath(out))
     fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=fmt.suffix, dir=directory)
-    os.close(fd)
-    try:
+    os.close(fd)  # a name of its own: two exports into one directory do not collide
+
+    def write(tmp: str) -> dict | None:
         stats = fmt.write(records, tmp, options)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; an export is an ordinary file
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        return stats
+
+    stats = replace_whole(out, write, tmp=tmp, durable=False)
     return ExportResult(
         path=out,
         format=fmt.name,

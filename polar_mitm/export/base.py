@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,21 @@ class ExportFormat:
     suffix: str
     summary: str  # one line for --help
     write: Callable[[list[Record], str, ExportOptions], dict[str, Any] | None]
+
+
+def jsonl_format(
+    name: str, summary: str, line: Callable[[Record, ExportOptions], dict[str, Any]]
+) -> ExportFormat:
+    """A format whose file is one JSON object per record, ``line(record, options)``: strict JSON
+    (a NaN is an error, not a token no JSON reader takes), UTF-8 as is."""
+
+    def write(records: list[Record], path: str, options: ExportOptions) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(line(r, options), ensure_ascii=False, allow_nan=False))
+                f.write("\n")
+
+    return ExportFormat(name=name, suffix=".jsonl", summary=summary, write=write)
 
 
 @dataclass(slots=True)

@@ -9,10 +9,9 @@ schema names; timestamps as ISO 8601; ``segments`` gives each call's ``start`` /
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
-from .base import ExportFormat, ExportOptions, Record
+from .base import Record, jsonl_format
 
 
 def _plain(value: Any) -> Any:
@@ -31,16 +30,8 @@ def line(record: Record) -> dict[str, Any]:
     return out
 
 
-def write(records: list[Record], path: str, options: ExportOptions) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(line(r), ensure_ascii=False, allow_nan=False))
-            f.write("\n")
-
-
-FORMAT = ExportFormat(
-    name="jsonl",
-    suffix=".jsonl",
-    summary="the trace rows as JSON lines (schema column names) with per-call segments",
-    write=write,
+FORMAT = jsonl_format(
+    "jsonl",
+    "the trace rows as JSON lines (schema column names) with per-call segments",
+    lambda record, options: line(record),
 )

@@ -12,11 +12,10 @@ a long line (the format's cost, not ours to change).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..nemo_gym.items import STATUS, output_items, response
-from .base import ExportFormat, ExportOptions, Record, decode
+from .base import ExportOptions, Record, decode, jsonl_format
 
 
 def result(record: Record, options: ExportOptions) -> dict[str, Any]:
@@ -37,16 +36,8 @@ def result(record: Record, options: ExportOptions) -> dict[str, Any]:
     }
 
 
-def write(records: list[Record], path: str, options: ExportOptions) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(result(r, options), ensure_ascii=False, allow_nan=False))
-            f.write("\n")
-
-
-FORMAT = ExportFormat(
-    name="nemo-gym",
-    suffix=".jsonl",
-    summary="NeMo Gym rollout results, per-turn prompt/generation token ids and log probs",
-    write=write,
+FORMAT = jsonl_format(
+    "nemo-gym",
+    "NeMo Gym rollout results, per-turn prompt/generation token ids and log probs",
+    result,
 )

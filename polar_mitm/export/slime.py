@@ -11,10 +11,9 @@ tokens with mask 0, as slime's own multi-turn rollouts build it. Load with
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from .base import ExportFormat, ExportOptions, Record, decode
+from .base import ExportOptions, Record, decode, jsonl_format
 
 # Sample.Status values (slime/utils/types.py)
 _STATUS = {"completed": "completed", "incomplete": "aborted", "error": "failed"}
@@ -50,16 +49,8 @@ def sample(record: Record, options: ExportOptions) -> dict[str, Any]:
     }
 
 
-def write(records: list[Record], path: str, options: ExportOptions) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(sample(r, options), ensure_ascii=False, allow_nan=False))
-            f.write("\n")
-
-
-FORMAT = ExportFormat(
-    name="slime",
-    suffix=".jsonl",
-    summary="slime Sample dicts, one per line (Sample.from_dict)",
-    write=write,
+FORMAT = jsonl_format(
+    "slime",
+    "slime Sample dicts, one per line (Sample.from_dict)",
+    sample,
 )

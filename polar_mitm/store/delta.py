@@ -1,4 +1,4 @@
-"""Calls stored as what they add to an earlier call of their rollout (schema 2): storage linear in tokens.
+"""Calls stored as what they add to an earlier call of their rollout: storage linear in tokens.
 
 An agent session re-sends its whole growing conversation every call, so storing each call's
 whole prompt ids and request body costs the context length again per call: storage grows with
@@ -9,20 +9,30 @@ extends, compared exactly there), or for a row without it, the rollout's previou
 
     base_call_id        = that call's id
     prompt_base_len     = n: the ids its prompt shares with the base's prompt + output ids (the
-                          sequence a next prompt extends); prompt_token_ids = only the ids after
+                          sequence a next prompt extends)
+    prompt_suffix_ids   = only the ids after those; prompt_token_ids = null
     request_base_prefix = p, request_base_suffix = q: the characters its request_json shares with
                           the base's at the start and at the end (compact JSON: the old messages
-                          before, the tools after); request_json = only the middle
+                          before, the tools after)
+    request_middle      = only the middle; request_json = null
 
-so ``prompt = (prompt(base) + output(base))[:n] + stored`` and
-``request = request(base)[:p] + stored + request(base)[len - q:]``. A null length means that
-column is stored whole (the first call of a rollout, too little shared, a schema-1 shard).
+so ``prompt = (prompt(base) + output(base))[:n] + prompt_suffix_ids`` and
+``request = request(base)[:p] + request_middle + request(base)[len - q:]``. A null length means
+that column is stored whole, in `prompt_token_ids` / `request_json` (the first call of a
+rollout, too little shared). So a column named for a whole value holds a whole value or null,
+never a part: a reader without this module (DuckDB, pyarrow, `datasets`) cannot take a suffix
+for a prompt (schema 3; polar.sql next to this module resolves them in DuckDB alone).
+
+Schema 2 (shards and journals written before) stored the parts under the whole names, telling
+them apart by the non-null length; `upgrade_row` and the resolver read that form too (a row
+with a length and no part column is a schema-2 row), and `polar-mitm migrate` rewrites it.
 
 Readers (`store.read_table`, the CLI's `captured.read`, and through them every command and
-export) call `resolve`, which gives every row its full prompt and request back, so nothing
-downstream sees the encoding (engines reading the Parquet files directly see the stored form; the
-traces dataset always holds whole sequences). A row whose base is missing (a shard removed by
-hand) comes back with null there and a warning naming the call, never a wrong value.
+export, and scripts/train_check.py, which loads this file by path: it imports nothing of the
+package) call `resolve`, which gives every row its full prompt and request back, so nothing
+downstream sees the encoding (the traces dataset always holds whole sequences). A row whose base
+is missing (a shard removed by hand) comes back with null there and a warning naming the call,
+never a wrong value.
 """
 
 from __future__ import annotations
@@ -49,11 +59,45 @@ DELTA_BASE = "_delta_base"
 MAX_BASES = 256
 
 BASE_COLUMNS = ("base_call_id", "prompt_base_len", "request_base_prefix", "request_base_suffix")
+# Each whole column, the column its stored part goes in, and the length that says it is a part.
+PARTS = {
+    "prompt_token_ids": ("prompt_suffix_ids", "prompt_base_len"),
+    "request_json": ("request_middle", "request_base_prefix"),
+}
+# Every column that only says how a row is stored: read back null once resolved.
+DELTA_COLUMNS = (*BASE_COLUMNS, *(part for part, _ in PARTS.values()))
 # What a read of a column needs besides it to give it back whole.
 NEEDS = {
-    "prompt_token_ids": ("base_call_id", "prompt_base_len", "output_token_ids"),
-    "request_json": ("base_call_id", "request_base_prefix", "request_base_suffix"),
+    "prompt_token_ids": (
+        "prompt_suffix_ids",
+        "base_call_id",
+        "prompt_base_len",
+        "output_token_ids",
+    ),
+    "request_json": (
+        "request_middle",
+        "base_call_id",
+        "request_base_prefix",
+        "request_base_suffix",
+    ),
 }
+
+
+def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A calls row in schema 3's form: a schema-2 row (a journal or shard written before) kept
+    its part under the whole column's name; it moves to the part column. Rows already in
+    schema 3's form come back as they are (the same dict)."""
+    moves = [
+        (whole, part)
+        for whole, (part, length) in PARTS.items()
+        if row.get(length) is not None and row.get(part) is None
+    ]
+    if not moves:
+        return row
+    row = dict(row)
+    for whole, part in moves:
+        row[part], row[whole] = row.get(whole), None
+    return row
 
 
 def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -137,7 +181,7 @@ class PromptDelta:
         if dataset != "calls" or not isinstance(rollout, str) or not isinstance(call_id, str):
             return row
         if row.get("base_call_id") is not None:  # already encoded: a replayed row
-            return row
+            return upgrade_row(row)
         prompt, request = _ids(row.get("prompt_token_ids")), row.get("request_json")
         request = request if isinstance(request, str) else None
         seen = self._seen.get(rollout)
@@ -154,12 +198,13 @@ class PromptDelta:
             if prompt is not None:
                 n = shared_prefix(base_seq, prompt) if base_seq is not None else base_seq_len
                 if MIN_SHARED_IDS <= n <= len(prompt):
-                    changes["prompt_token_ids"] = array("i", prompt[n:].tobytes())
-                    changes["prompt_base_len"] = n
+                    changes["prompt_suffix_ids"] = array("i", prompt[n:].tobytes())
+                    changes["prompt_token_ids"], changes["prompt_base_len"] = None, n
             if request is not None and base_request is not None:
                 p, q = shared_ends(base_request, request)
                 if p + q >= MIN_SHARED_CHARS:
-                    changes["request_json"] = request[p : len(request) - q]
+                    changes["request_middle"] = request[p : len(request) - q]
+                    changes["request_json"] = None
                     changes["request_base_prefix"], changes["request_base_suffix"] = p, q
             if changes:
                 changes["base_call_id"] = base_id
@@ -178,7 +223,9 @@ class PromptDelta:
 
 
 class _Resolver:
-    """Full prompts and requests of a calls table, each base resolved once (memoized)."""
+    """Full prompts and requests of a calls table, each base resolved once (memoized). The table
+    may hold rows of schema 1 (whole), 2 (a part under the whole name) and 3 (a part under its own
+    name), and may lack the part columns altogether (a table of older shards only)."""
 
     def __init__(self, table: pa.Table) -> None:
         names = table.column_names
@@ -189,18 +236,21 @@ class _Resolver:
         def column(name: str) -> list[Any] | None:
             return table.column(name).to_pylist() if name in names else None
 
+        def lists(name: str) -> pa.Array | None:
+            return table.column(name).combine_chunks() if name in names else None
+
         self.prompt_len, self.prefix, self.suffix = (
             column("prompt_base_len"),
             column("request_base_prefix"),
             column("request_base_suffix"),
         )
-        self.prompts = self.outputs = None
+        self.prompts = self.parts = self.outputs = None
         if self.prompt_len is not None and "prompt_token_ids" in names:
-            self.prompts = table.column("prompt_token_ids").combine_chunks()
-            if "output_token_ids" in names:
-                self.outputs = table.column("output_token_ids").combine_chunks()
-        has_request = self.prefix is not None and "request_json" in names
-        self.requests = column("request_json") if has_request else None
+            self.prompts, self.parts = lists("prompt_token_ids"), lists("prompt_suffix_ids")
+            self.outputs = lists("output_token_ids")
+        self.requests = self.middles = None
+        if self.prefix is not None and "request_json" in names:
+            self.requests, self.middles = column("request_json"), column("request_middle")
 
     def ids(self, column: pa.Array | None, i: int) -> np.ndarray | None:
         if column is None or not column[i].is_valid:
@@ -225,6 +275,30 @@ class _Resolver:
             seen.add(k)
         return chain[::-1]
 
+    def prompt(self, j: int, base: np.ndarray | None) -> np.ndarray | None:
+        """Row `j`'s whole prompt, given its base's prompt + output ids."""
+        shared = self.prompt_len[j]
+        if shared is None:
+            return self.ids(self.prompts, j)
+        part = self.ids(self.parts, j)
+        if part is None:  # schema 2: the part under the whole name
+            part = self.ids(self.prompts, j)
+        if part is None or base is None or shared > len(base):
+            return None
+        return np.concatenate([base[:shared], part])
+
+    def request(self, j: int, base: str | None, own: str | None) -> str | None:
+        """Row `j`'s whole request, given its base's; `own`: what row `j` stores whole."""
+        p = self.prefix[j]
+        if p is None:
+            return own
+        middle = self.middles[j] if self.middles is not None else None
+        if middle is None:  # schema 2: the middle under the whole name
+            middle = own
+        if base is None or middle is None:
+            return None
+        return base[:p] + middle + base[len(base) - (self.suffix[j] or 0) :]
+
     def resolve(self) -> tuple[list[np.ndarray | None] | None, list[str | None] | None]:
         n = len(self.call_ids)
         seqs: dict[int, np.ndarray | None] = {}  # prompt + output ids (what a next one extends)
@@ -239,28 +313,12 @@ class _Resolver:
                 k = self.index.get(self.base[j]) if self.base[j] is not None else None
                 k = k if k in done and k != j else None
                 if self.prompts is not None:
-                    own = self.ids(self.prompts, j)
-                    shared = self.prompt_len[j]
-                    if shared is not None:
-                        whole = seqs.get(k) if k is not None else None
-                        own = (
-                            None
-                            if own is None or whole is None or shared > len(whole)
-                            else np.concatenate([whole[:shared], own])
-                        )
-                    prompts[j] = own
+                    own = prompts[j] = self.prompt(j, seqs.get(k) if k is not None else None)
                     out = self.ids(self.outputs, j)
                     seqs[j] = own if own is None or out is None else np.concatenate([own, out])
-                if self.requests is not None and self.prefix[j] is not None:
-                    whole_request = requests[k] if k is not None else None
-                    p, q, own_request = self.prefix[j], self.suffix[j] or 0, requests[j]
-                    requests[j] = (
-                        None
-                        if whole_request is None or own_request is None
-                        else whole_request[:p]
-                        + own_request
-                        + whole_request[len(whole_request) - q :]
-                    )
+                if self.requests is not None:
+                    base = requests[k] if k is not None else None
+                    requests[j] = self.request(j, base, requests[j])
         return (prompts if self.prompts is not None else None), (
             requests if self.requests is not None else None
         )
@@ -268,7 +326,8 @@ class _Resolver:
 
 def resolve(table: pa.Table) -> pa.Table:
     """The calls table with every row's full prompt ids and request_json (see the module doc);
-    the base columns come back null, since nothing then rests on them."""
+    the columns that say how a row is stored (`DELTA_COLUMNS`) come back null, since nothing
+    then rests on them."""
     names = table.column_names
     if "base_call_id" not in names or table.column("base_call_id").null_count == len(table):
         return table
@@ -286,7 +345,7 @@ def resolve(table: pa.Table) -> pa.Table:
     if requests is not None:
         column = pa.array(requests, table.schema.field("request_json").type)
         table = table.set_column(names.index("request_json"), "request_json", column)
-    for name in BASE_COLUMNS:
+    for name in DELTA_COLUMNS:
         if name in names:
             kind = table.schema.field(name).type
             table = table.set_column(names.index(name), name, pa.nulls(len(table), kind))

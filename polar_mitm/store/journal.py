@@ -48,6 +48,7 @@ from typing import Any
 import msgpack
 import pyarrow as pa
 
+from .files import fsync_dir, replace_text
 from .schema import SCHEMAS
 
 log = logging.getLogger(__name__)
@@ -172,15 +173,6 @@ def decode_record(payload: bytes) -> tuple[str, dict[str, Any]]:
 
 def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-def fsync_dir(path: str) -> None:
-    """Make a directory entry change (create, rename, unlink) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fdatasync(fd: int) -> None:
@@ -417,14 +409,9 @@ class Manifest:
                 fsync_dir(self.dir)
             self.lines = 0
             return
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("".join(f"{n} {d}\n" for n, d in entries))
-            f.write("".join(f"intent {d} {p}\n" for d, p in intents))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fsync_dir(self.dir)
+        text = "".join(f"{n} {d}\n" for n, d in entries)
+        text += "".join(f"intent {d} {p}\n" for d, p in intents)
+        replace_text(self.path, text, tmp=self.path + ".tmp")
         self.lines = len(entries) + len(intents)
 
 

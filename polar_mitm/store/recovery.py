@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .delta import upgrade_row
 from .journal import Damage, decode_record, list_segments, read_segment, segment_name
 from .schema import SCHEMAS
 
@@ -196,6 +197,6 @@ def load_rows(
                 d, row = decode_record(payload)
             except ValueError:
                 continue
-            if d == dataset:
-                rows.append(row)
+            if d == dataset:  # a calls row journaled by schema 2's proxy: in schema 3's form
+                rows.append(upgrade_row(row) if d == "calls" else row)
     return rows

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-# 2: prompt ids and request_json as a reference to the call they extend plus what is new
-# (store/delta.py), and the lineage columns calls.agent, traces.purpose, traces.agent (nullable);
-# schema-1 shards (whole prompts and requests, no lineage columns: read as null) read the same;
-# `polar-mitm migrate` rewrites them.
-SCHEMA_VERSION = 2
+# 3: a call stored as what it adds to an earlier one keeps that part under its own name
+# (prompt_suffix_ids, request_middle); prompt_token_ids and request_json are whole or null, so a
+# plain Parquet reader never gets a part under a whole's name.
+# 2: that part stored under prompt_token_ids / request_json (store/delta.py), and the lineage
+# columns calls.agent, traces.purpose, traces.agent (nullable).
+# 1: whole prompts and requests, no lineage columns (read as null).
+# Shards of every version read the same through the store's readers and polar.sql;
+# `polar-mitm migrate` rewrites schema 1 and 2 shards as schema 3 (docs/store.md).
+SCHEMA_VERSION = 3
 
 _TS = pa.timestamp("us", tz="UTC")
 _IDS = pa.list_(pa.int32())
@@ -47,7 +51,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("model_served", pa.string()),
         pa.field("policy_version", pa.string()),  # when the call started
         pa.field("policy_version_end", pa.string()),  # when it finished (differs: untrainable)
-        pa.field("prompt_token_ids", _IDS),  # with prompt_base_len: only the ids after those
+        pa.field("prompt_token_ids", _IDS),  # the whole prompt; null when stored as a suffix
         pa.field("output_token_ids", _IDS),
         pa.field("output_logprobs", _FLOATS),
         pa.field("ids_source", pa.string()),  # upstream | retokenized | none
@@ -62,7 +66,8 @@ CALLS_SCHEMA = pa.schema(
         pa.field("fidelity_flags", pa.list_(pa.string())),
         pa.field("fidelity_json", pa.string()),
         pa.field("trainable", pa.bool_()),
-        pa.field("request_json", pa.string()),  # the harness's request body, redacted
+        pa.field("request_json", pa.string()),  # the harness's request body, redacted; null
+        # when stored as request_middle
         pa.field("response_json", pa.string()),  # the reply as the harness received it, assembled
         pa.field("headers_json", pa.string()),  # harness request headers, redacted
         # what the dialect left out translating the request (e.g. a billing-header system block)
@@ -72,6 +77,9 @@ CALLS_SCHEMA = pa.schema(
         pa.field("prompt_base_len", pa.int32()),  # ids shared with its prompt + output
         pa.field("request_base_prefix", pa.int32()),  # characters shared with its request_json
         pa.field("request_base_suffix", pa.int32()),  # ... at the start, and at the end
+        # schema 3: the stored parts under their own names (read whole: store.read_table, polar.sql)
+        pa.field("prompt_suffix_ids", _IDS),  # the prompt ids after prompt_base_len
+        pa.field("request_middle", pa.string()),  # request_json between the shared ends
     ]
 )
 

@@ -39,7 +39,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from .. import __version__
-from .journal import TYPED_COLUMNS, fsync_dir
+from .files import fsync_dir, replace_whole
+from .journal import TYPED_COLUMNS
 from .remote import display_uri, s3_filesystem
 from .schema import SCHEMA_VERSION, SCHEMAS
 
@@ -330,24 +331,12 @@ class ShardWriter:
     ) -> str:
         self._ensure_local_dir(directory)
         final = os.path.join(directory, name)
-        tmp = os.path.join(directory, "." + name + TMP_SUFFIX)
-        try:
-            pq.write_table(table, tmp, **self._options(dataset, table))
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if announce is not None:
-                announce(dataset, final)
-            os.rename(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        fsync_dir(directory)
+        replace_whole(
+            final,
+            lambda tmp: pq.write_table(table, tmp, **self._options(dataset, table)),
+            tmp=os.path.join(directory, "." + name + TMP_SUFFIX),  # what recovery cleans up
+            before_rename=None if announce is None else lambda _: announce(dataset, final),
+        )
         return final
 
     def _write_remote(

@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from .delta import PromptDelta
+from .files import replace_text
 from .journal import (
     DirectoryLock,
     Manifest,
@@ -157,7 +158,7 @@ def _new_proxy_id() -> str:
 
 
 class Store:
-    """Durable capture store; see the module docstring and DESIGN.md "Records (Parquet)".
+    """Durable capture store; see the module docstring and docs/design.md, "Record layout".
 
     ``output`` is a local path or a pyarrow filesystem URI (``s3://bucket/prefix?endpoint_override=…``);
     ``filesystem`` may be given instead of a URI scheme (then ``output`` is the path inside it).
@@ -498,12 +499,7 @@ class Store:
     def _save_proxy_id(self) -> None:
         # A stable id across restarts lets recovery recognise this proxy's own temp files.
         path = os.path.join(self.journal_dir, PROXY_ID_FILE)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(self.proxy_id + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        fsync_dir(self.journal_dir)
+        replace_text(path, self.proxy_id + "\n", tmp=path + ".tmp")
 
     def _recover(self) -> RecoveryReport:
         report = RecoveryReport(self.journal_dir)

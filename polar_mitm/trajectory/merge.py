@@ -38,7 +38,7 @@ import sys
 import uuid
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from .breaks import (
@@ -85,6 +85,7 @@ class Placement:
     """Where `Merger.add` put a call."""
 
     trace_id: str
+    _: KW_ONLY
     attached: bool  # extended an existing chain
     break_reason: str | None  # set when the call started a chain
     parent_trace_id: str | None
@@ -123,6 +124,7 @@ class Chain:
         self,
         trace_id: str,
         role: str,
+        *,
         parent: Chain | None,
         prefix_len: int,
         break_reason: str,
@@ -287,7 +289,14 @@ class Merger:
                 self._unindex_end(chain)
                 self._append(chain, p, start, out, logprobs, facts, request_json)
                 return Placement(
-                    chain.trace_id, True, None, None, start, len(p) - start, len(out), None, base
+                    chain.trace_id,
+                    attached=True,
+                    break_reason=None,
+                    parent_trace_id=None,
+                    prefix_len=start,
+                    env_tokens=len(p) - start,
+                    policy_tokens=len(out),
+                    base=base,
                 )
         parent, lcp, hashes = self._longest_common(p, joinable=not side)
         if agent is not None and parent is not None and parent.agent != agent and not side:
@@ -316,7 +325,16 @@ class Merger:
                 "agent_changed": evidence.agent_changed,
             }
         role = _role(reason, parent)
-        chain = Chain(self.new_id(), role, parent, lcp, reason, detail, purpose or "main", agent)
+        chain = Chain(
+            self.new_id(),
+            role,
+            parent=parent,
+            prefix_len=lcp,
+            break_reason=reason,
+            break_detail=detail,
+            purpose=purpose or "main",
+            agent=agent,
+        )
         chain.hashes = hashes[: len(p) // BLOCK]
         for h in chain.hashes:
             self._blocks_all.setdefault(h, []).append(chain)
@@ -327,14 +345,14 @@ class Merger:
         self._append(chain, p, 0, out, logprobs, facts, request_json, parsed)
         return Placement(
             chain.trace_id,
-            False,
-            reason,
-            parent.trace_id if parent else None,
-            lcp,
-            len(p),
-            len(out),
-            detail,
-            base,
+            attached=False,
+            break_reason=reason,
+            parent_trace_id=parent.trace_id if parent else None,
+            prefix_len=lcp,
+            env_tokens=len(p),
+            policy_tokens=len(out),
+            detail=detail,
+            base=base,
         )
 
     # -- joining --------------------------------------------------------------------------------

@@ -54,6 +54,21 @@ class TextPiece:
     stop_reason: int | str | None = None
 
 
+def chat_body(chat: dict[str, Any], *, model: str | None, stream: bool) -> dict[str, Any]:
+    """What every server's chat request shares: a copy of the dialect's chat body with the model
+    to serve and the streaming mode, and on a stream ``stream_options.include_usage`` (the usage
+    count the sampled ids are checked against); each module adds its own token flags."""
+    body = dict(chat)
+    if model:
+        body["model"] = model
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    else:
+        body.pop("stream_options", None)
+    return body
+
+
 class Upstream(ABC):
     kind: ClassVar[str]
     # Whether chat streaming works together with the token flags. An SGLang without sglext ids

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import TokenTally, Upstream
+from .base import TokenTally, Upstream, chat_body
 
 
 class OpenAICompatible(Upstream):
@@ -22,15 +22,7 @@ class OpenAICompatible(Upstream):
     def request_body(
         self, chat: dict[str, Any], *, model: str | None, stream: bool, top_logprobs: int
     ) -> dict[str, Any]:
-        body = dict(chat)
-        if model:
-            body["model"] = model
-        body["stream"] = stream
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        else:
-            body.pop("stream_options", None)
-        return body
+        return chat_body(chat, model=model, stream=stream)
 
     def take_chunk(self, chunk: dict[str, Any], tally: TokenTally) -> None:
         choices = chunk.get("choices")

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import TextPiece, TokenTally, Upstream
+from .base import TextPiece, TokenTally, Upstream, chat_body
 
 _ID_FLAGS = ("return_prompt_token_ids", "return_meta_info", "return_token_ids")
 _SGLEXT_FLAGS = ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
@@ -97,20 +97,14 @@ class SGLang(Upstream):
     def request_body(
         self, chat: dict[str, Any], *, model: str | None, stream: bool, top_logprobs: int
     ) -> dict[str, Any]:
-        body = dict(chat)
-        if model:
-            body["model"] = model
+        streaming = stream and self.streams_with_tokens  # else: the harness's stream synthesized
+        body = chat_body(chat, model=model, stream=streaming)
         if "messages" in body:
             body["messages"] = _with_reasoning_content(body["messages"])
-        if stream and self.streams_with_tokens:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-            for flag in _ID_FLAGS:
+        for flag in _ID_FLAGS:  # refused beside stream: true
+            if streaming:
                 body.pop(flag, None)
-        else:
-            body["stream"] = False
-            body.pop("stream_options", None)
-            for flag in _ID_FLAGS:
+            else:
                 body[flag] = True
         for flag in _SGLEXT_FLAGS:
             body[flag] = True

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import TextPiece, TokenTally, Upstream
+from .base import TextPiece, TokenTally, Upstream, chat_body
 
 
 class VLLM(Upstream):
@@ -27,17 +27,10 @@ class VLLM(Upstream):
     def request_body(
         self, chat: dict[str, Any], *, model: str | None, stream: bool, top_logprobs: int
     ) -> dict[str, Any]:
-        body = dict(chat)
-        if model:
-            body["model"] = model
-        body["stream"] = stream
+        body = chat_body(chat, model=model, stream=stream)
         body["return_token_ids"] = True
         body["logprobs"] = True
         body["top_logprobs"] = top_logprobs
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        else:
-            body.pop("stream_options", None)
         return body
 
     def take_chunk(self, chunk: dict[str, Any], tally: TokenTally) -> None:

@@ -43,8 +43,8 @@ LLM_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/responses/compact
 GEMINI_METHODS = (":generateContent", ":streamGenerateContent")
 POLAR_HOSTS = set(DEFAULT_HOSTS.split(","))
 
-# How each harness is identified: Codex sends no API key (DESIGN.md), so its rollout id comes
-# from the proxy credentials; the others put theirs in the key.
+# How each harness is identified: Codex sends no API key (docs/design.md, "Rollout identity"), so
+# its rollout id comes from the proxy credentials; the others put theirs in the key.
 ROLLOUTS = {
     "pi": ("harness-pi.0", "api_key"),
     "codex": ("harness-codex.1", "proxy_auth"),
