@@ -5,8 +5,12 @@ Precedence (DESIGN.md, "Rollout identity"):
    arrive as `Proxy-Authorization: Basic ...` on CONNECT and hold for the whole connection;
 2. an API key of the form `polar-<rollout>` (`Authorization: Bearer ...` or `x-api-key`);
 3. an `x-polar-rollout` header;
-4. the client address plus the harness's session header.
+4. the client address plus the harness's session header (`session`), or, without one, the client
+   address alone (`client_address`): an *anonymous* rollout, which merges every session from that
+   address, so its traces are untrainable (`anonymous`) unless `polar_train_allow` allows it
+   (one container per rollout) and the proxy warns once per address (addons/identity.py).
 A rollout id `<group>.<sample>` (e.g. `django-11099.3`) names sample 3 of GRPO group `django-11099`.
+Each call records which rule gave its id (`calls.rollout_source`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,16 @@ from dataclasses import dataclass
 
 API_KEY_PREFIX = "polar-"
 ROLLOUT_HEADER = "x-polar-rollout"
-# Session/conversation headers the harnesses send (Claude Code, Codex), most specific first.
+# Where a rollout id came from (calls.rollout_source), in precedence order.
+PROXY_AUTH, API_KEY, HEADER, SESSION, CLIENT_ADDRESS = (
+    "proxy_auth",
+    "api_key",
+    "header",
+    "session",
+    "client_address",
+)
+# Session/conversation headers the harnesses send (Claude Code, Codex, OpenCode), most specific
+# first.
 SESSION_HEADERS = (
     "x-claude-code-session-id",
     "session-id",
@@ -28,6 +41,7 @@ SESSION_HEADERS = (
     "conversation_id",
     "thread-id",
     "x-session-id",
+    "x-session-affinity",
 )
 _VALID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,199}$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]+")
@@ -36,7 +50,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]+")
 @dataclass(frozen=True, slots=True)
 class RolloutIdentity:
     rollout_id: str
-    source: str  # proxy_auth | api_key | header | session
+    source: str  # proxy_auth | api_key | header | session | client_address
     group_id: str | None
     sample_index: int | None
     session_id: str | None
@@ -90,16 +104,19 @@ def resolve(
     """Apply the four rules; `headers` is case-insensitive (mitmproxy's Headers is)."""
     session = session_of(headers)
     candidates: tuple[tuple[str, str | None], ...] = (
-        ("proxy_auth", connection_user),
-        ("api_key", _strip_prefix(api_key(headers))),
-        ("header", headers.get(ROLLOUT_HEADER)),
+        (PROXY_AUTH, connection_user),
+        (API_KEY, _strip_prefix(api_key(headers))),
+        (HEADER, headers.get(ROLLOUT_HEADER)),
     )
     for source, value in candidates:
         if value and valid_rollout_id(value):
             group, sample = split_group(value)
             return RolloutIdentity(value, source, group, sample, session)
-    fallback = _UNSAFE.sub("_", f"{client_host}-{session}" if session else client_host)
-    return RolloutIdentity(fallback, "session", None, None, session)
+    if session:
+        return RolloutIdentity(
+            _UNSAFE.sub("_", f"{client_host}-{session}"), SESSION, None, None, session
+        )
+    return RolloutIdentity(_UNSAFE.sub("_", client_host), CLIENT_ADDRESS, None, None, None)
 
 
 def _strip_prefix(key: str | None) -> str | None:

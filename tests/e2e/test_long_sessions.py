@@ -48,7 +48,7 @@ COMPACT_LIMIT = 2000
 def codex_configured(config: str) -> Harness:
     """Codex with `config` as its ~/.codex/config.toml."""
 
-    def configure(home: Path, work: Path) -> None:
+    def configure(home: Path, work: Path, bin_dir: Path) -> None:
         (home / ".codex").mkdir(parents=True, exist_ok=True)
         (home / ".codex" / "config.toml").write_text(config)
 
