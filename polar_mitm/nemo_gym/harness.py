@@ -1,13 +1,15 @@
 """Running one unmodified harness (Pi, Claude Code, Codex, Qwen Code, OpenCode) through polar-mitm,
 for one rollout.
 
-The harness gets what a rollout container would: a fresh workspace and HOME, the environment
-`polar-mitm env` prints (proxy URL with the rollout id as its user name, the CA variables), an API
-key ``polar-<rollout id>``, PATH (the harness install's bin dir first: it holds the Node.js the
-harnesses need when the machine's is older, see scripts/install_harnesses.sh) and TERM; nothing else from the calling process (the Gym server's
-environment holds Gym's whole merged config). It runs in a process group of its own, so a timeout
-kills the harness and every child it started (Pi's and Claude's shell tools), not just the node
-process. Standard library only: this runs inside NeMo Gym's venv.
+The harness gets what a rollout container would: a fresh workspace and HOME with its config
+files, the environment `polar-mitm env` prints (proxy URL with the rollout id as its user name,
+the CA variables), an API key ``polar-<rollout id>``, PATH (the harness install's bin dir first:
+it holds the Node.js the harnesses need when the machine's is older, see
+scripts/install_harnesses.sh) and TERM; nothing else from the calling process (the Gym server's
+environment holds Gym's whole merged config). These configurations are the README's, and the ones
+the e2e tests run (tests/e2e/harnesses.py builds on this table). It runs in a process group of its
+own, so a timeout kills the harness and every child it started (its shell tools), not just the
+node process. Standard library only: this runs inside NeMo Gym's venv.
 """
 
 from __future__ import annotations
@@ -177,6 +179,9 @@ HARNESSES: dict[str, Harness] = {
         key_variable="OPENAI_API_KEY",
         argv=lambda b, model, prompt: [str(b / "opencode"), "run", prompt],
         configure=_opencode_configure,
+        # No fetch of OpenCode's model catalogue (models.opencode.ai): the provider is in the
+        # config, and the host is outside the proxy's capture.
+        extra_env={"OPENCODE_DISABLE_MODELS_FETCH": "1"},
     ),
 }
 
