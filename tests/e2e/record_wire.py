@@ -59,17 +59,6 @@ HARNESS_PLAN = {
             {"text": FINAL_TEXT},
         ]
     },
-    "opencode": {
-        "chat": [
-            {
-                "tool": {
-                    "name": "bash",
-                    "arguments": {"command": SHELL_COMMAND, "description": "Create hello.txt"},
-                }
-            },
-            {"text": FINAL_TEXT},
-        ]
-    },
 }
 
 
