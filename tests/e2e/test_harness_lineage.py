@@ -30,7 +30,6 @@ from .test_harnesses import (
     header,
     is_llm_request,
     mask_runs,
-    run_through_proxy,
 )
 
 SCENARIOS = Path(__file__).parent / "scenarios"
@@ -42,24 +41,6 @@ EXACT = {"polar_exact_prefix": "true", "polar_tokenizer": str(qwen3_tokenizer_di
 @pytest.fixture(scope="module")
 def qwen3():
     return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
-
-
-def run_exact(name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, **kw):
-    result, seen, server = run_through_proxy(
-        name,
-        harness_bin,
-        netns,
-        tmp_path,
-        confdir,
-        make_policy_server,
-        make_mitm,
-        mitm_options=EXACT,
-        timeout=300,
-        **kw,
-    )
-    log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    assert result.returncode == 0, log
-    return result, seen, server, log
 
 
 def assert_token_in_is_exact(seen, server) -> dict[str, dict]:
@@ -96,12 +77,8 @@ def assert_token_in_is_exact(seen, server) -> dict[str, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen", "opencode"])
-def test_exact_prefix_keeps_the_conversation_on_one_main_chain(
-    name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, qwen3
-):
-    result, seen, server, log = run_exact(
-        name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm
-    )
+def test_exact_prefix_keeps_the_conversation_on_one_main_chain(name, harness_session, qwen3):
+    result, seen, server, log = harness_session(name, mitm_options=EXACT)
     assert FINAL_TEXT in result.stdout, log
     assert (result.workdir / FILE_NAME).read_text() == FILE_TEXT, log
     llm = [e for e in seen.wire if is_llm_request(e)]
@@ -125,19 +102,9 @@ def test_exact_prefix_keeps_the_conversation_on_one_main_chain(
 
 
 @pytest.mark.slow
-def test_an_opencode_task_sub_agent_is_a_linked_sub_chain(
-    harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, qwen3
-):
-    result, seen, server, log = run_exact(
-        "opencode",
-        harness_bin,
-        netns,
-        tmp_path,
-        confdir,
-        make_policy_server,
-        make_mitm,
-        scenario=OPENCODE_SUBAGENT,
-        prompt=DELEGATE,
+def test_an_opencode_task_sub_agent_is_a_linked_sub_chain(harness_session, qwen3):
+    result, seen, server, log = harness_session(
+        "opencode", mitm_options=EXACT, scenario=OPENCODE_SUBAGENT, prompt=DELEGATE
     )
     assert "The sub-agent created s.txt." in result.stdout, log
     assert (result.workdir / "s.txt").read_text() == "sub", log
