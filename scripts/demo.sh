@@ -131,17 +131,19 @@ echo "== harness environment (polar-mitm env --proxy http://127.0.0.1:$PORT --ro
 ENV_LINES="$(polar-mitm env --proxy "http://127.0.0.1:$PORT" --rollout demo-task.0)"
 echo "$ENV_LINES" | sed 's/^/   /'
 if [ "$SESSION" = pi ]; then
-    # Pi as a rollout container would run it: its own HOME (models.json names the key variable),
-    # a scratch workdir, and no environment but PATH, the lines above and the API key.
+    # Pi as a rollout container would run it: its own HOME (models.json: Pi 1.x reads the key
+    # from "$OPENAI_API_KEY"), a scratch workdir, and no environment but PATH (the harness bin
+    # dir first: it holds the Node 22 Pi 1.x needs when the machine's node is older), the lines
+    # above and the API key.
     PI_HOME="$OUT/pi-home"; WORK="$OUT/work"
     mkdir -p "$PI_HOME/.pi/agent" "$WORK"
     cat >"$PI_HOME/.pi/agent/models.json" <<'JSON'
 {"providers": {"polar": {"baseUrl": "https://api.openai.com/v1", "api": "openai-completions",
-                         "apiKey": "OPENAI_API_KEY", "models": [{"id": "gpt-4.1-mini"}]}}}
+                         "apiKey": "$OPENAI_API_KEY", "models": [{"id": "gpt-4.1-mini"}]}}}
 JSON
     PROMPT="Create a file named hello.txt containing exactly the text: polar was here, then check it"
-    echo "== running Pi $("$HARNESS_BIN/pi" --version 2>&1) (unmodified): pi --provider polar --model gpt-4.1-mini -p \"$PROMPT\""
-    (cd "$WORK" && env -i PATH="/usr/local/bin:/usr/bin:/bin" HOME="$PI_HOME" TERM=dumb bash -c \
+    echo "== running Pi $(PATH="$HARNESS_BIN:$PATH" "$HARNESS_BIN/pi" --version 2>&1) on node $(PATH="$HARNESS_BIN:$PATH" node --version) (unmodified): pi --provider polar --model gpt-4.1-mini -p \"$PROMPT\""
+    (cd "$WORK" && env -i PATH="$HARNESS_BIN:/usr/local/bin:/usr/bin:/bin" HOME="$PI_HOME" TERM=dumb bash -c \
         'eval "$1"; export OPENAI_API_KEY=polar-demo-task.0; exec "$2" --provider polar --model gpt-4.1-mini -p "$3" </dev/null' \
         _ "$ENV_LINES" "$HARNESS_BIN/pi" "$PROMPT") | sed 's/^/   pi> /'
     echo "== $WORK/hello.txt (written by Pi's bash tool): $(cat "$WORK/hello.txt" 2>/dev/null)"

@@ -23,7 +23,9 @@ from .clients import grep_bytes, http_client
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harness"
 SCENARIO = Path(__file__).parent / "e2e" / "scenarios" / "harnesses.json"
-HARNESSES = ("pi", "codex", "claude")
+HARNESSES = ("pi", "codex", "claude", "qwen", "opencode")
+# LLM requests of one recorded run: the two turns, and OpenCode's title call before them.
+LLM_REQUESTS = {"opencode": 3}
 LLM_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/messages"}
 POLAR_HOSTS = set(DEFAULT_HOSTS.split(","))
 # Not replayed: hop-by-hop and framing headers (httpx sets its own), the redacted credentials
@@ -106,7 +108,7 @@ def test_recorded_llm_requests_are_served_and_captured(name, make_policy_server,
     mitm = make_mitm(server.url)
     key = f"polar-replay-{name}.0"
     llm = [e for e in recorded(name) if is_llm(e)]
-    assert len(llm) == 2
+    assert len(llm) == LLM_REQUESTS.get(name, 2)
     with http_client(mitm) as client:
         for entry in llm:
             r = send(client, entry, key)
@@ -115,7 +117,7 @@ def test_recorded_llm_requests_are_served_and_captured(name, make_policy_server,
             assert last_event(r.content) == _LAST_EVENT[entry["path"].partition("?")[0]]
     assert mitm.stop() == 0
     rows = sorted(read_table(str(mitm.output), "calls").to_pylist(), key=lambda r: r["started_at"])
-    assert [r["status"] for r in rows] == ["completed", "completed"], [r["error"] for r in rows]
+    assert [r["status"] for r in rows] == ["completed"] * len(llm), [r["error"] for r in rows]
     for row, entry in zip(rows, llm, strict=True):
         assert row["path"] == entry["path"].partition("?")[0]
         assert row["model_requested"] == entry["body"]["model"]
@@ -126,8 +128,11 @@ def test_recorded_llm_requests_are_served_and_captured(name, make_policy_server,
         assert rows[0]["session_id"] == dict(llm[0]["headers"])["session-id"]
     else:
         assert {r["rollout_id"] for r in rows} == {f"replay-{name}.0"}
+    if name == "opencode":  # its title call (no tools) is a side call; its session names it
+        assert [r["purpose"] for r in rows] == ["title", "main", "main"]
+        assert {r["agent"] for r in rows} == {dict(llm[0]["headers"])["x-session-id"]}
     # Turn 2 ends with the tool result the harness sent; the prompt holds it.
-    assert len(rows[1]["prompt_token_ids"]) > len(rows[0]["prompt_token_ids"])
+    assert len(rows[-1]["prompt_token_ids"]) > len(rows[-2]["prompt_token_ids"])
     assert grep_bytes(mitm.output, [key]) == {}
 
 

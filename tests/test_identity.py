@@ -35,7 +35,13 @@ def test_precedence():
     h = Headers(x_claude_code_session_id="abc-123")
     r = resolve(h, "10.0.0.1", None)
     assert (r.rollout_id, r.source, r.session_id) == ("10.0.0.1-abc-123", "session", "abc-123")
-    assert resolve(Headers(), "10.0.0.1", None).rollout_id == "10.0.0.1"
+    # nothing but the client address: anonymous, told apart from a session by its source
+    r = resolve(Headers(), "10.0.0.1", None)
+    assert (r.rollout_id, r.source, r.session_id) == ("10.0.0.1", "client_address", None)
+    # OpenCode's session headers name a session too
+    r = resolve(Headers(x_session_affinity="ses_1"), "10.0.0.1", None)
+    assert (r.rollout_id, r.source) == ("10.0.0.1-ses_1", "session")
     # an id with characters we cannot keep safely falls through to the next rule
     assert resolve(Headers(x_polar_rollout="bad id\n"), "10.0.0.1", "ok.1").rollout_id == "ok.1"
-    assert resolve(Headers(x_polar_rollout="bad id"), "h", None).source == "session"
+    assert resolve(Headers(x_polar_rollout="bad id"), "h", None).source == "client_address"
+    assert resolve(Headers(x_polar_rollout="bad id", session_id="s"), "h", None).source == "session"

@@ -37,7 +37,7 @@ from ..control import ControlState
 from ..dialects import Dialect, DialectError, HarnessRequest, detect
 from ..metrics import ProxyMetrics
 from ..tokens.count import PromptCounter
-from ..trajectory.lineage import agent_of
+from ..trajectory.lineage import agent_of, purpose_of
 from ..upstream import UPSTREAMS, Upstream, kind_from_models
 from .exact_prefix import ExactPrefixAddon
 from .identity import RolloutIdentityAddon
@@ -414,7 +414,8 @@ class CaptureAddon:
         record.stream = req.stream
         record.model_requested = req.model
         purpose = headers.get(PURPOSE_HEADER, "").strip().lower()
-        record.purpose = purpose if _PURPOSE.match(purpose) else req.purpose
+        said = purpose_of(headers, req.body) if req.purpose == "main" else None
+        record.purpose = purpose if _PURPOSE.match(purpose) else said or req.purpose
         record.agent = agent_of(headers)
         record.translation_notes = list(req.notes)
         if req.local:

@@ -47,7 +47,8 @@ class TrajectoryAddon:
             "",
             "Comma-separated rollout conditions that do not make its traces untrainable: "
             "policy_mixed (its calls ran under several policy versions), call_error (one of its "
-            "calls failed). Retokenized ids: see polar_trust_retokenized.",
+            "calls failed), anonymous (its id is the client address alone: allow it only with "
+            "one container per rollout). Retokenized ids: see polar_trust_retokenized.",
         )
         loader.add_option(
             "polar_keep_ended",

@@ -6,8 +6,12 @@ Precedence (docs/design.md, "Rollout identity"):
 2. an API key of the form `polar-<rollout>` (`Authorization: Bearer ...`, `x-api-key`, or
    Google's `x-goog-api-key` header or `?key=` query parameter);
 3. an `x-polar-rollout` header;
-4. the client address plus the harness's session header.
+4. the client address plus the harness's session header (`session`), or, without one, the client
+   address alone (`client_address`): an *anonymous* rollout, which merges every session from that
+   address, so its traces are untrainable (`anonymous`) unless `polar_train_allow` allows it
+   (one container per rollout) and the proxy warns once per address (addons/identity.py).
 A rollout id `<group>.<sample>` (e.g. `django-11099.3`) names sample 3 of GRPO group `django-11099`.
+Each call records which rule gave its id (`calls.rollout_source`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ ROLLOUT_HEADER = "x-polar-rollout"
 KEY_PARAM = "key"  # Google's API takes its key as a query parameter too
 # The headers an API key comes in (`authorization` as `Bearer <key>`), first found first used.
 KEY_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
-# Session/conversation headers the harnesses send (Claude Code, Codex), most specific first.
+# Where a rollout id came from (calls.rollout_source), in precedence order.
+PROXY_AUTH, API_KEY, HEADER, SESSION, CLIENT_ADDRESS = (
+    "proxy_auth",
+    "api_key",
+    "header",
+    "session",
+    "client_address",
+)
+# Session/conversation headers the harnesses send (Claude Code, Codex, OpenCode), most specific
+# first.
 SESSION_HEADERS = (
     "x-claude-code-session-id",
     "session-id",
@@ -32,6 +45,7 @@ SESSION_HEADERS = (
     "conversation_id",
     "thread-id",
     "x-session-id",
+    "x-session-affinity",
 )
 _VALID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,199}$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]+")
@@ -40,7 +54,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]+")
 @dataclass(frozen=True, slots=True)
 class RolloutIdentity:
     rollout_id: str
-    source: str  # proxy_auth | api_key | header | session
+    source: str  # proxy_auth | api_key | header | session | client_address
     group_id: str | None
     sample_index: int | None
     session_id: str | None
@@ -102,16 +116,19 @@ def resolve(
     `query_key` is the request's `?key=` (Google's API)."""
     session = session_of(headers)
     candidates: tuple[tuple[str, str | None], ...] = (
-        ("proxy_auth", connection_user),
-        ("api_key", _strip_prefix(api_key(headers)) or _strip_prefix(query_key)),
-        ("header", headers.get(ROLLOUT_HEADER)),
+        (PROXY_AUTH, connection_user),
+        (API_KEY, _strip_prefix(api_key(headers)) or _strip_prefix(query_key)),
+        (HEADER, headers.get(ROLLOUT_HEADER)),
     )
     for source, value in candidates:
         if value and valid_rollout_id(value):
             group, sample = split_group(value)
             return RolloutIdentity(value, source, group, sample, session)
-    fallback = _UNSAFE.sub("_", f"{client_host}-{session}" if session else client_host)
-    return RolloutIdentity(fallback, "session", None, None, session)
+    if session:
+        return RolloutIdentity(
+            _UNSAFE.sub("_", f"{client_host}-{session}"), SESSION, None, None, session
+        )
+    return RolloutIdentity(_UNSAFE.sub("_", client_host), CLIENT_ADDRESS, None, None, None)
 
 
 def _strip_prefix(key: str | None) -> str | None:

@@ -152,7 +152,7 @@ def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> No
     from . import captured, chaintree
     from .listing import emit
     from .summary import summarize
-    from .tables import group_listing, rollout_listing
+    from .tables import anonymous_note, group_listing, rollout_listing
 
     with _user_errors():
         calls = captured.read(directory, "calls", captured.CALL_FIGURES, required=False)
@@ -170,6 +170,9 @@ def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> No
     emit(listings, plain, console)
     if plain or groups_only:
         return
+    note = anonymous_note(result)
+    if note:
+        console.print(note, style="yellow", markup=False, highlight=False)
     for rollout_id, rows in trees:  # long sessions: how their chains hang together
         if len(rows) > 1:
             console.print(chaintree.tree(rollout_id, rows))

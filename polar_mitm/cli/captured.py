@@ -24,6 +24,7 @@ from ..store.shards import resolve_output
 CALL_FIGURES = (
     "call_id",
     "rollout_id",
+    "rollout_source",
     "group_id",
     "sample_index",
     "started_at",

@@ -18,6 +18,8 @@ import pyarrow.compute as pc
 
 from ..record_facts import CHECKED_WITH_TOKENIZER
 
+ANONYMOUS = "client_address"  # the rollout_source of an id that is the client address alone
+
 
 @dataclass(slots=True)
 class RolloutSummary:
@@ -42,14 +44,22 @@ class RolloutSummary:
     reward: float | None = None  # the latest trace's reward
     trainable_traces: int = 0
     untrainable: list[str] = field(default_factory=list)  # reason kinds, e.g. "call_error"
+    # which identity rule named the rollout (calls.rollout_source): client_address = anonymous
+    rollout_sources: list[str] = field(default_factory=list)
 
     @property
     def trainable(self) -> bool:
         return self.traces > 0 and self.trainable_traces == self.traces
 
+    @property
+    def anonymous(self) -> bool:
+        """Named by its client address alone: every session from that address is this rollout."""
+        return ANONYMOUS in self.rollout_sources
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["trainable"] = self.trainable
+        d["anonymous"] = self.anonymous
         return d
 
 
@@ -134,6 +144,7 @@ def _add_calls(out: dict[str, RolloutSummary], calls: pa.Table) -> None:
     order = pc.sort_indices(calls, [("started_at", "ascending")]).to_pylist()
     rollouts, groups = _col(calls, "rollout_id"), _col(calls, "group_id")
     samples, statuses = _col(calls, "sample_index"), _col(calls, "status")
+    named_by = _col(calls, "rollout_source")
     dialects, sources = _col(calls, "dialect"), _col(calls, "ids_source")
     flags = _col(calls, "fidelity_flags")
     checked = _checked(calls)
@@ -152,6 +163,8 @@ def _add_calls(out: dict[str, RolloutSummary], calls: pa.Table) -> None:
             s.retokenized += 1
         if dialects[i] and dialects[i] not in s.dialects:
             s.dialects.append(dialects[i])
+        if named_by[i] and named_by[i] not in s.rollout_sources:
+            s.rollout_sources.append(named_by[i])
         for flag in flags[i] or ():
             _count(s.fidelity_flags, flag)
         s.fidelity_checked += checked[i]
@@ -244,6 +257,7 @@ def _totals(rollouts: list[RolloutSummary], groups: list[GroupSummary]) -> dict[
     ):
         totals[name] = sum(getattr(r, name) for r in rollouts)
     totals["rewarded"] = sum(r.reward is not None for r in rollouts)
+    totals["anonymous_rollouts"] = sum(r.anonymous for r in rollouts)
     for name in ("break_reasons", "fidelity_flags"):
         merged: dict[str, int] = {}
         for r in rollouts:

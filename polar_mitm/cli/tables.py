@@ -191,3 +191,17 @@ def calls_listing(rows: Sequence[dict[str, Any]], source: str) -> Listing:
     total += ["", "", f"{sum(r['status'] != 'completed' for r in rows)} failed", "", "", ""]
     listing.totals.append(total)
     return listing
+
+
+def anonymous_note(summary: Summary) -> str | None:
+    """A line under the rollouts when some were named by their client address alone."""
+    names = [r.rollout_id for r in summary.rollouts if r.anonymous]
+    if not names:
+        return None
+    return (
+        f"{len(names)} anonymous rollout(s) ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}):"
+        " the calls named no rollout (no polar- key, proxy credentials, x-polar-rollout header or"
+        " session id), so every session from the client address is one rollout; its traces are"
+        " untrainable unless polar_train_allow=anonymous (one container per rollout). Give each"
+        " rollout an id: `polar-mitm env --rollout ID` or the API key polar-ID."
+    )

@@ -55,7 +55,7 @@ class StartProxyConfig(BaseModel):
 
 class PolarMitmAgentConfig(BaseResponsesAPIAgentConfig):
     resources_server: ResourcesServerRef
-    harness: Literal["pi", "claude", "codex", "gemini"] = "pi"
+    harness: Literal["pi", "claude", "codex", "qwen", "opencode", "gemini"] = "pi"
     harness_bin_dir: str | None = None  # default: where scripts/install_harnesses.sh puts them
     model: str = DEFAULT_MODEL  # the name the harness asks for (the proxy sends the policy's)
     proxy: str | None = None  # the polar-mitm proxy as the harness reaches it: http://HOST:PORT
@@ -194,10 +194,11 @@ class PolarMitmAgent(SimpleResponsesAPIAgent):
                 proxy, ca_cert = await self.endpoint()
             except ProxyStartError as e:
                 return self._failed(fields, info, str(e).splitlines()[0])
-            env = harness_env(harness, home, proxy, ca_cert, rollout_id)
+            bin_dir = Path(self.config.harness_bin_dir or DEFAULT_BIN_DIR)
+            env = harness_env(harness, home, proxy, ca_cert, rollout_id, bin_dir)
             ran = await run_harness(
                 harness,
-                Path(self.config.harness_bin_dir or DEFAULT_BIN_DIR),
+                bin_dir,
                 self.config.model,
                 prompt_text(body.responses_create_params),
                 work,

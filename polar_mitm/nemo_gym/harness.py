@@ -1,12 +1,15 @@
-"""Running one unmodified harness (Pi, Claude Code, Codex, Gemini CLI) through polar-mitm, for one
-rollout.
+"""Running one unmodified harness (Pi, Claude Code, Codex, Qwen Code, OpenCode, Gemini CLI) through
+polar-mitm, for one rollout.
 
-The harness gets what a rollout container would: a fresh workspace and HOME, the environment
-`polar-mitm env` prints (proxy URL with the rollout id as its user name, the CA variables), an API
-key ``polar-<rollout id>``, PATH and TERM; nothing else from the calling process (the Gym server's
-environment holds Gym's whole merged config). It runs in a process group of its own, so a timeout
-kills the harness and every child it started (Pi's and Claude's shell tools), not just the node
-process. Standard library only: this runs inside NeMo Gym's venv.
+The harness gets what a rollout container would: a fresh workspace and HOME with its config
+files, the environment `polar-mitm env` prints (proxy URL with the rollout id as its user name,
+the CA variables), an API key ``polar-<rollout id>``, PATH (the harness install's bin dir first:
+it holds the Node.js the harnesses need when the machine's is older, see
+scripts/install_harnesses.sh) and TERM; nothing else from the calling process (the Gym server's
+environment holds Gym's whole merged config). These configurations are the README's, and the ones
+the e2e tests run (tests/e2e/harnesses.py builds on this table). It runs in a process group of its
+own, so a timeout kills the harness and every child it started (its shell tools), not just the
+node process. Standard library only: this runs inside NeMo Gym's venv.
 """
 
 from __future__ import annotations
@@ -26,30 +29,83 @@ from ..certs import env_lines
 
 # The model name each harness asks for; the proxy replaces it with the policy's.
 DEFAULT_MODEL = "gpt-4.1-mini"
-# Where scripts/install_harnesses.sh puts the pinned harnesses (it honours the same variable).
+# Where scripts/install_harnesses.sh puts the pinned harnesses (it honours the same variables:
+# POLAR_HARNESS_PINS=previous installs the previous release's pins beside them).
 DEFAULT_BIN_DIR = (
     Path(
-        os.environ.get("POLAR_HARNESS_DIR")
-        or Path.home() / ".cache" / "polar-mitm" / "npm-harnesses"
+        str(
+            os.environ.get("POLAR_HARNESS_DIR")
+            or Path.home() / ".cache" / "polar-mitm" / "npm-harnesses"
+        )
+        + ("-previous" if os.environ.get("POLAR_HARNESS_PINS") == "previous" else "")
     )
     / "node_modules"
     / ".bin"
 )
-PATH = "/usr/local/bin:/usr/bin:/bin"
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
-def _pi_configure(home: Path, model: str) -> None:
+OPENAI_BASE_URL = "https://api.openai.com/v1"  # the real host: the proxy captures it there
+
+
+def pi_api_key(bin_dir: Path) -> str:
+    """How Pi's models.json names the variable that holds the key. Pi 1.x (`@earendil-works`)
+    reads `apiKey` as a literal with `$NAME` / `${NAME}` interpolation or a `!command`, so a bare
+    name would be sent as the key itself; the deprecated `@mariozechner` 0.x (the previous pins)
+    reads a bare name as a variable and `$NAME` as a literal."""
+    legacy = "@mariozechner" in Path(bin_dir, "pi").resolve().parts
+    return "OPENAI_API_KEY" if legacy else "$OPENAI_API_KEY"
+
+
+def _pi_configure(home: Path, model: str, bin_dir: Path) -> None:
     """Pi reads its providers from ~/.pi/agent/models.json: one OpenAI-compatible provider
-    whose key is in OPENAI_API_KEY, at the real host (the proxy captures it there)."""
+    whose key is in OPENAI_API_KEY, at the real host."""
     agent = home / ".pi" / "agent"
     agent.mkdir(parents=True, exist_ok=True)
     provider = {
-        "baseUrl": "https://api.openai.com/v1",
+        "baseUrl": OPENAI_BASE_URL,
         "api": "openai-completions",
-        "apiKey": "OPENAI_API_KEY",  # the name of the variable that holds the key
+        "apiKey": pi_api_key(bin_dir),
         "models": [{"id": model}],
     }
     (agent / "models.json").write_text(json.dumps({"providers": {"polar": provider}}, indent=2))
+
+
+def _qwen_configure(home: Path, model: str, bin_dir: Path) -> None:
+    """Qwen Code reads ~/.qwen/settings.json: usage statistics off (else every run posts them to
+    Alibaba Cloud RUM, a host the proxy does not capture)."""
+    folder = home / ".qwen"
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {"privacy": {"usageStatisticsEnabled": False}}
+    (folder / "settings.json").write_text(json.dumps(settings, indent=2))
+
+
+def _opencode_configure(home: Path, model: str, bin_dir: Path) -> None:
+    """OpenCode reads ~/.config/opencode/opencode.json: one provider through its bundled
+    `@ai-sdk/openai-compatible` (chat completions) at the real host, the key from
+    OPENAI_API_KEY (`{env:NAME}` is OpenCode's substitution), and that provider's model as the
+    default. Sharing and auto-update off: a rollout publishes nothing and installs nothing."""
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {
+            "polar": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "polar",
+                "options": {"baseURL": OPENAI_BASE_URL, "apiKey": "{env:OPENAI_API_KEY}"},
+                "models": {model: {"name": model}},
+            }
+        },
+        "model": f"polar/{model}",
+        "share": "disabled",
+        "autoupdate": False,
+    }
+    folder = home / ".config" / "opencode"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "opencode.json").write_text(json.dumps(config, indent=2))
+
+
+# Placeholders in a harness's arguments, filled in for each run.
+MODEL, PROMPT = "{model}", "{prompt}"
 
 
 @dataclass(frozen=True)
@@ -57,57 +113,62 @@ class Harness:
     name: str
     binary: str
     key_variable: str
-    argv: Callable[[Path, str, str], list[str]]  # (bin dir, model, prompt) -> argv
-    configure: Callable[[Path, str], None] = lambda home, model: None  # (HOME, model)
+    args: tuple[str, ...]  # after the binary; MODEL and PROMPT are filled in per run
+    # (HOME, model, bin dir): the harness's config files, written before each run
+    configure: Callable[[Path, str, Path], None] = lambda home, model, bin_dir: None
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self, bin_dir: Path, model: str, prompt: str) -> list[str]:
+        fill = {MODEL: model, PROMPT: prompt}
+        return [str(bin_dir / self.binary), *(fill.get(a, a) for a in self.args)]
 
 
 HARNESSES: dict[str, Harness] = {
     "pi": Harness(
-        name="pi",
-        binary="pi",
-        key_variable="OPENAI_API_KEY",
-        argv=lambda b, model, prompt: [
-            str(b / "pi"),
-            "--provider",
-            "polar",
-            "--model",
-            model,
-            "-p",
-            prompt,
-        ],
+        "pi",
+        "pi",
+        "OPENAI_API_KEY",
+        ("--provider", "polar", "--model", MODEL, "-p", PROMPT),
         configure=_pi_configure,
     ),
     "codex": Harness(
-        name="codex",
-        binary="codex",
-        key_variable="OPENAI_API_KEY",
-        argv=lambda b, model, prompt: [
-            str(b / "codex"),
-            "exec",
-            "--skip-git-repo-check",
-            "--dangerously-bypass-approvals-and-sandbox",
-            prompt,
-        ],
+        "codex",
+        "codex",
+        "OPENAI_API_KEY",  # Codex sends none: its rollout id is the proxy credentials
+        ("exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", PROMPT),
     ),
     "claude": Harness(
-        name="claude",
-        binary="claude",
-        key_variable="ANTHROPIC_API_KEY",
-        argv=lambda b, model, prompt: [
-            str(b / "claude"),
-            "-p",
-            "--dangerously-skip-permissions",
-            prompt,
-        ],
+        "claude",
+        "claude",
+        "ANTHROPIC_API_KEY",
+        ("-p", "--dangerously-skip-permissions", PROMPT),
         # As root, --dangerously-skip-permissions is refused unless told it is in a sandbox.
         extra_env={"IS_SANDBOX": "1"},
     ),
+    "qwen": Harness(
+        "qwen",
+        "qwen",
+        "OPENAI_API_KEY",
+        ("--yolo", "--auth-type", "openai", "--model", MODEL, PROMPT),
+        configure=_qwen_configure,
+        # Qwen Code's OpenAI auth: chat completions at OPENAI_BASE_URL with OPENAI_API_KEY.
+        extra_env={"OPENAI_BASE_URL": OPENAI_BASE_URL},
+    ),
+    "opencode": Harness(
+        "opencode",
+        "opencode",
+        "OPENAI_API_KEY",
+        ("run", PROMPT),
+        configure=_opencode_configure,
+        # No fetch of OpenCode's model catalogue (models.opencode.ai): the provider is in the
+        # config, and the host is outside the proxy's capture.
+        extra_env={"OPENCODE_DISABLE_MODELS_FETCH": "1"},
+    ),
     "gemini": Harness(
-        name="gemini",
-        binary="gemini",
-        key_variable="GEMINI_API_KEY",  # sent as x-goog-api-key
-        argv=lambda b, model, prompt: [str(b / "gemini"), "--yolo", "-p", prompt],
+        "gemini",
+        "gemini",
+        "GEMINI_API_KEY",  # sent as x-goog-api-key
+        ("--yolo", "-p", PROMPT),
         # Headless runs refuse an untrusted workspace (the fresh one) without this.
         extra_env={"GEMINI_CLI_TRUST_WORKSPACE": "true"},
     ),
@@ -124,11 +185,11 @@ class HarnessRun:
 
 
 def harness_env(
-    harness: Harness, home: Path, proxy: str, ca_cert: Path, rollout_id: str
+    harness: Harness, home: Path, proxy: str, ca_cert: Path, rollout_id: str, bin_dir: Path
 ) -> dict[str, str]:
     """The harness's whole environment: `polar-mitm env` with the rollout id in the proxy URL
     (Codex sends no key), the key ``polar-<rollout id>`` (the others), HOME, PATH, TERM."""
-    env = {"HOME": str(home), "PATH": PATH, "TERM": "dumb"}
+    env = {"HOME": str(home), "PATH": f"{bin_dir}:{SYSTEM_PATH}", "TERM": "dumb"}
     for line in env_lines(proxy, ca_cert, rollout_id):
         name, _, value = line[len("export ") :].partition("=")
         env[name] = shlex.split(value)[0] if value else ""
@@ -148,7 +209,7 @@ async def run_harness(
 ) -> HarnessRun:
     """Run the harness in `workdir` to completion or `timeout`; never raises for the harness's
     own failures (a missing binary, a non-zero exit, a time-out: each is `error`)."""
-    harness.configure(Path(env["HOME"]), model)
+    harness.configure(Path(env["HOME"]), model, bin_dir)
     argv = harness.argv(bin_dir, model, prompt)
     started = time.monotonic()
     try:

@@ -27,7 +27,8 @@ CALLS_SCHEMA = pa.schema(
     [
         pa.field("call_id", pa.string(), nullable=False),
         pa.field("rollout_id", pa.string(), nullable=False),
-        pa.field("rollout_source", pa.string()),  # proxy_auth | api_key | header | session
+        # proxy_auth | api_key | header | session | client_address (call/identity.py)
+        pa.field("rollout_source", pa.string()),
         pa.field("group_id", pa.string()),
         pa.field("sample_index", pa.int32()),
         pa.field("session_id", pa.string()),

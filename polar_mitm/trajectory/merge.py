@@ -52,6 +52,7 @@ from .breaks import (
     is_side,
     request_view,
 )
+from .lineage import is_agent, parent_agent
 
 TAIL = 8  # tokens of a chain's end in the join index key
 BLOCK = 256  # tokens per hashed prefix block
@@ -60,7 +61,8 @@ _POLICY = b"\x01"
 # A request body parsed for break evidence: (view,) once parsed (the view may be None), None before.
 Parsed = tuple[RequestView | None] | None
 
-ALLOW_CHOICES = ("policy_mixed", "call_error")
+ALLOW_CHOICES = ("policy_mixed", "call_error", "anonymous")
+ANONYMOUS_SOURCE = "client_address"  # call.identity.CLIENT_ADDRESS: no id but the client address
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class CallFacts:
     # the fidelity checks' findings (tokens/fidelity.py): {"wrong": {turn call id: tokens},
     # "turns": {flag: [turn call ids]}}; None when the call was not checked
     fidelity: dict[str, Any] | None = None
+    rollout_source: str | None = None  # which identity rule named the rollout (call.identity)
 
 
 @dataclass(slots=True)
@@ -299,10 +302,8 @@ class Merger:
                     base=base,
                 )
         parent, lcp, hashes = self._longest_common(p, joinable=not side)
-        if agent is not None and parent is not None and parent.agent != agent and not side:
-            own = [c for c in self.chains if c.role != "side" and c.agent == agent]
-            if own:  # its own agent's chain is the parent, even when another shares more
-                parent, lcp = self._best(p, own, 0)
+        if agent is not None and not side and (parent is None or parent.agent != agent):
+            parent, lcp = self._agent_parent(p, agent, parent, lcp)
         has_chains = any(c.role != "side" for c in self.chains)
         evidence, diverged_call, parsed = self._evidence(
             parent, lcp, p, purpose, has_chains, request_json, agent
@@ -354,6 +355,19 @@ class Merger:
             detail=detail,
             base=base,
         )
+
+    def _agent_parent(
+        self, p: array, agent: str, parent: Chain | None, lcp: int
+    ) -> tuple[Chain | None, int]:
+        """The chain a call of a named agent breaks off: its own agent's when it has one, else
+        its parent agent's (lineage.parent_agent: the agent that started it), even when another
+        chain shares more tokens; the longest common prefix when neither has a chain."""
+        pool = [c for c in self.chains if c.role != "side"]
+        own = [c for c in pool if c.agent == agent]
+        if not own:
+            up = parent_agent(agent)
+            own = [c for c in pool if up is not None and is_agent(c.agent, up)]
+        return self._best(p, own, 0) if own else (parent, lcp)
 
     # -- joining --------------------------------------------------------------------------------
 
@@ -508,8 +522,11 @@ class Merger:
             if both
             else None,
             compacted=(mine.summaries > theirs.summaries) if both else None,
+            # a new top-level agent (another session) is no sign of a sub-agent; a spawned one is
             agent_changed=(
-                agent != parent.agent if agent is not None and parent.agent is not None else None
+                agent != parent.agent
+                if agent is not None and parent.agent is not None and parent_agent(agent)
+                else None
             ),
         )
         return evidence, diverged_call, parsed
@@ -558,7 +575,8 @@ def untrainable_reasons(
     """Why a trace must not be trained on; empty when it may.
 
     Rollout-wide: its calls ran under more than one policy version (``policy_mixed``), one of
-    them errored (``call_error``) — both waived when `allow` names them (ALLOW_CHOICES) — or a
+    them errored (``call_error``), its id is the client address alone, which every session from
+    that address shares (``anonymous``) — each waived when `allow` names it (ALLOW_CHOICES) — or a
     completed call has no token ids, so its sampled tokens are missing from the traces
     (``ids_missing``), or, with ``polar_fidelity=strict`` (`strict` holds the drift flags), a
     call of the rollout carries one of them (``fidelity_strict``). Per trace: a call the capture
@@ -578,6 +596,15 @@ def untrainable_reasons(
         for c in rollout_calls:
             if c.status == "error":
                 reasons.append(f"call_error: call {c.call_id} failed: {c.error or 'error'}")
+                break
+    if "anonymous" not in allow:
+        for c in rollout_calls:
+            if c.rollout_source == ANONYMOUS_SOURCE:
+                reasons.append(
+                    f"anonymous: call {c.call_id} named no rollout (no polar- key, proxy "
+                    "credentials, x-polar-rollout header or session id): the rollout is every "
+                    "session from its client address"
+                )
                 break
     for call_id, why in unmerged:
         if why.startswith("no token ids"):

@@ -72,6 +72,7 @@ class Rollout:
             policy_version_end=record.policy_version_end,
             error=record.error,
             trainable=record.trainable,
+            rollout_source=record.rollout_source,
         )
         self.calls.append(facts)
         if record.status != "completed":

@@ -33,3 +33,22 @@ def netns(request: pytest.FixtureRequest) -> Iterator[Netns]:
         )
     yield ns
     ns.delete()
+
+
+@pytest.fixture
+def harness_session(harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm):
+    """Run a harness (Codex unless named) through the proxy with these keywords
+    (test_harnesses.run_through_proxy's; a 300 s time-out unless given); it must exit 0. Returns
+    (result, what everyone saw, the policy server, a log for assertion messages)."""
+    from .test_harnesses import run_through_proxy
+
+    def run(name: str = "codex", **keywords):
+        keywords.setdefault("timeout", 300)
+        result, seen, server = run_through_proxy(
+            name, harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm, **keywords
+        )
+        log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        assert result.returncode == 0, log
+        return result, seen, server, log
+
+    return run

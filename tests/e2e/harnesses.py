@@ -1,9 +1,11 @@
 """The real harnesses, as the e2e tests and the wire recorder run them.
 
 Each is the unmodified npm package pinned in tests/e2e/npm/ (installed by
-scripts/install_harnesses.sh), run non-interactively in a temp workdir with a temp HOME and an
-environment made of nothing but `polar-mitm env` output, PATH/HOME, and an API key
-`polar-<rollout id>` — what a rollout container would get.
+scripts/install_harnesses.sh; `POLAR_HARNESS_PINS=previous` selects the previous release's pins in
+tests/e2e/npm/previous/, which hold fewer harnesses), run non-interactively in a temp workdir with
+a temp HOME and an environment made of nothing but `polar-mitm env` output, PATH/HOME, and an API
+key `polar-<rollout id>` — what a rollout container would get. PATH starts with the install's
+node_modules/.bin, which holds the Node.js the harnesses need when the machine's is older.
 """
 
 from __future__ import annotations
@@ -17,9 +19,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from polar_mitm.nemo_gym import harness as agent_harness
+
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "scripts" / "install_harnesses.sh"
-PINS = json.loads((ROOT / "tests" / "e2e" / "npm" / "package.json").read_text())["dependencies"]
+PIN_SETS = {"current": "", "previous": "previous"}
+PIN_SET = os.environ.get("POLAR_HARNESS_PINS") or "current"
+if PIN_SET not in PIN_SETS:
+    raise ValueError(f"POLAR_HARNESS_PINS={PIN_SET!r}: want one of {', '.join(PIN_SETS)}")
+PIN_FILE = ROOT / "tests" / "e2e" / "npm" / PIN_SETS[PIN_SET] / "package.json"
+PINS = json.loads(PIN_FILE.read_text())["dependencies"]
+# Pi moved scope at 1.0: the deprecated one is the previous pins'.
+PI_PACKAGE = next(
+    (p for p in ("@earendil-works/pi-coding-agent", "@mariozechner/pi-coding-agent") if p in PINS),
+    "@earendil-works/pi-coding-agent",
+)
 
 PROMPT = "Create a file named hello.txt containing exactly the text: polar was here"
 FILE_NAME, FILE_TEXT = "hello.txt", "polar was here"
@@ -27,7 +41,7 @@ SHELL_COMMAND = f"printf '{FILE_TEXT}' > {FILE_NAME} && cat {FILE_NAME}"
 FINAL_TEXT = "I created hello.txt; it says: polar was here"
 
 # The model name each harness asks for (set in its config where it has one).
-PI_MODEL = "gpt-4.1-mini"
+MODEL = agent_harness.DEFAULT_MODEL
 
 
 class InstallError(RuntimeError):
@@ -63,8 +77,8 @@ class Harness:
     binary: str
     key_variable: str
     dialect: str  # the wire recorder's name of its LLM API: chat | responses | messages | gemini
-    argv: Callable[[Path, str], list[str]]
-    configure: Callable[[Path, Path], None] = lambda home, work: None
+    argv: Callable[[Path, str], list[str]]  # (bin dir, prompt) -> argv
+    configure: Callable[[Path, Path, Path], None] = lambda home, work, bin_dir: None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -72,77 +86,33 @@ class Harness:
         return PINS[self.package]
 
 
-def _pi_configure(home: Path, work: Path) -> None:
-    agent = home / ".pi" / "agent"
-    agent.mkdir(parents=True, exist_ok=True)
-    provider = {
-        "baseUrl": "https://api.openai.com/v1",
-        "api": "openai-completions",
-        "apiKey": "OPENAI_API_KEY",  # the name of the env var that holds the key
-        "models": [{"id": PI_MODEL}],
-    }
-    (agent / "models.json").write_text(json.dumps({"providers": {"polar": provider}}, indent=2))
+def _as_the_agent_runs_it(name: str, package: str, dialect: str) -> Harness:
+    """The harness exactly as the NeMo Gym agent runs it (polar_mitm/nemo_gym/harness.py: the
+    configuration the README shows), asking for MODEL."""
+    spec = agent_harness.HARNESSES[name]
+    return Harness(
+        name=name,
+        package=package,
+        binary=spec.binary,
+        key_variable=spec.key_variable,
+        dialect=dialect,
+        argv=lambda bin_dir, prompt: spec.argv(bin_dir, MODEL, prompt),
+        configure=lambda home, work, bin_dir: spec.configure(home, MODEL, bin_dir),
+        extra_env=dict(spec.extra_env),
+    )
 
 
-HARNESSES: dict[str, Harness] = {
-    "pi": Harness(
-        name="pi",
-        package="@mariozechner/pi-coding-agent",
-        binary="pi",
-        key_variable="OPENAI_API_KEY",
-        dialect="chat",
-        argv=lambda bin_dir, prompt: [
-            str(bin_dir / "pi"),
-            "--provider",
-            "polar",
-            "--model",
-            PI_MODEL,
-            "-p",
-            prompt,
-        ],
-        configure=_pi_configure,
-    ),
-    "codex": Harness(
-        name="codex",
-        package="@openai/codex",
-        binary="codex",
-        key_variable="OPENAI_API_KEY",
-        dialect="responses",
-        argv=lambda bin_dir, prompt: [
-            str(bin_dir / "codex"),
-            "exec",
-            "--skip-git-repo-check",
-            "--dangerously-bypass-approvals-and-sandbox",
-            prompt,
-        ],
-    ),
-    "claude": Harness(
-        name="claude",
-        package="@anthropic-ai/claude-code",
-        binary="claude",
-        key_variable="ANTHROPIC_API_KEY",
-        dialect="messages",
-        argv=lambda bin_dir, prompt: [
-            str(bin_dir / "claude"),
-            "-p",
-            "--dangerously-skip-permissions",
-            prompt,
-        ],
-        # As root, --dangerously-skip-permissions is refused unless the harness is told it is
-        # in a sandbox.
-        extra_env={"IS_SANDBOX": "1"},
-    ),
-    "gemini": Harness(
-        name="gemini",
-        package="@google/gemini-cli",
-        binary="gemini",
-        key_variable="GEMINI_API_KEY",
-        dialect="gemini",
-        argv=lambda bin_dir, prompt: [str(bin_dir / "gemini"), "--yolo", "-p", prompt],
-        # Headless runs refuse an untrusted workspace (the temp workdir) without this.
-        extra_env={"GEMINI_CLI_TRUST_WORKSPACE": "true"},
-    ),
-}
+_ALL = (
+    _as_the_agent_runs_it("pi", PI_PACKAGE, "chat"),
+    _as_the_agent_runs_it("codex", "@openai/codex", "responses"),
+    _as_the_agent_runs_it("claude", "@anthropic-ai/claude-code", "messages"),
+    _as_the_agent_runs_it("qwen", "@qwen-code/qwen-code", "chat"),
+    _as_the_agent_runs_it("opencode", "opencode-ai", "chat"),
+    _as_the_agent_runs_it("gemini", "@google/gemini-cli", "gemini"),
+)
+# The harnesses the selected pins hold (the previous release's pins have no Qwen Code, OpenCode
+# or Gemini CLI).
+HARNESSES: dict[str, Harness] = {h.name: h for h in _ALL if h.package in PINS}
 
 
 @dataclass
@@ -172,10 +142,10 @@ def run_harness(
     home, work = base / f"{harness.name}-home", base / f"{harness.name}-work"
     home.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    harness.configure(home, work)
+    harness.configure(home, work, bin_dir)
     env = {
         "HOME": str(home),
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PATH": f"{bin_dir}:{agent_harness.SYSTEM_PATH}",
         "TERM": "dumb",
         **parse_env(env_lines),
         harness.key_variable: api_key,

