@@ -1,0 +1,215 @@
+"""A vLLM v1 logits processor that makes a real vLLM play scripted agent turns.
+
+Loaded by the vLLM server itself (``--logits-processors vllm_script:ScriptedReplies`` with this
+directory on ``PYTHONPATH``), in vLLM's own Python 3.11 venv where polar_mitm is not installed: it
+imports only the standard library, vLLM (and the transformers and torch vLLM brings), and
+``scenario.py`` beside it, by path (stdlib-only, so the scenario files and their matching rules are
+the reference server's own).
+
+Only the choice of token is scripted. For every request the engine adds to its batch, the prompt
+ids are decoded and read as a Qwen3-style chat rendering (``<|im_start|>role ... <|im_end|>``
+blocks, tools in the system block's ``<tools>`` list, tool results as ``<tool_response>`` user
+blocks); the scenario picks the script and turn exactly as the reference server does (the turn
+index is the number of assistant blocks already in the prompt), the turn is rendered with the
+tokenizer's chat template and tokenized, and :meth:`ScriptedReplies.apply` leaves only that
+reply's next token possible at each step. Everything else stays vLLM's: chat template,
+tokenizer, reasoning and tool-call parsers, streaming, id fields, logprobs (vLLM's default
+``raw_logprobs`` are taken before custom processors: the model's own distribution, or the
+grammar's when a request is constrained), length limits and errors.
+
+A prompt that is not an open assistant turn (a re-scoring request, a raw completion) or that no
+script matches is left alone: the model samples freely.
+
+Scenario files come from ``POLAR_VLLM_SCENARIOS`` (paths joined with ``os.pathsep``); their
+scripts are tried in order, those with a ``match`` before any default (a script without one), so
+one server can play several test scenarios.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+log = logging.getLogger("polar.vllm_script")
+
+SCENARIOS_ENV = "POLAR_VLLM_SCENARIOS"
+_START, _END = "<|im_start|>", "<|im_end|>"
+
+
+def _scenario_module():
+    """polar_mitm/policy_server/scenario.py, loaded by path (its package is not importable here)."""
+    name = "polar_vllm_scenario"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("scenario.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_scenarios(paths: str) -> Any:
+    """One scenario of every file's scripts: matched scripts first (in file order), then defaults."""
+    mod = _scenario_module()
+    scripts: list[Any] = []
+    model = "scripted"
+    for path in filter(None, paths.split(os.pathsep)):
+        scenario = mod.load_scenario(path)
+        model = scenario.model
+        scripts.extend(scenario.scripts)
+    ordered = [s for s in scripts if s.match is not None] + [s for s in scripts if s.match is None]
+    if not ordered:
+        raise ValueError(f"{SCENARIOS_ENV} names no scenario file")
+    return mod.Scenario(model=model, scripts=tuple(ordered), source=paths)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What a rendered Qwen3 prompt says, in the terms of the scenario's ``match`` keys."""
+
+    system: str
+    users: tuple[str, ...]
+    tool_names: tuple[str, ...]
+    assistant_turns: int
+    all_text: str
+    generation_prefix: str  # what the template already put in the open assistant turn
+
+
+def read_prompt(text: str) -> Conversation | None:
+    """Parse a decoded chat prompt; ``None`` unless it ends in an open assistant turn."""
+    blocks = text.split(_START)[1:]
+    if not blocks:
+        return None
+    role, _, open_body = blocks[-1].partition("\n")
+    if role != "assistant" or _END in open_body:
+        return None
+    system, users, tools, assistants, every = "", [], [], 0, []
+    for block in blocks[:-1]:
+        role, _, body = block.partition("\n")
+        body = body.split(_END, 1)[0]
+        if role == "system":
+            system, _, tool_part = body.partition("\n\n# Tools\n\n")
+            tools = _tool_names(tool_part)
+            every.append(system)
+        elif role == "user" and not body.startswith("<tool_response>"):
+            users.append(body)
+            every.append(body)
+        elif role == "assistant":
+            assistants += 1
+            every.append(body)
+        else:
+            every.append(body)
+    return Conversation(
+        system=system,
+        users=tuple(users),
+        tool_names=tuple(tools),
+        assistant_turns=assistants,
+        all_text="\n".join(every),
+        generation_prefix=open_body,
+    )
+
+
+def _tool_names(tool_part: str) -> list[str]:
+    """Function names of the ``<tools>`` list the Qwen3 template writes (one JSON per line)."""
+    inside = tool_part.partition("<tools>\n")[2].partition("\n</tools>")[0]
+    names = []
+    for line in inside.splitlines():
+        try:
+            tool = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        function = tool.get("function", tool) if isinstance(tool, dict) else {}
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.append(function["name"])
+    return names
+
+
+class ScriptedReplies(LogitsProcessor):
+    """Forces each request's scripted reply, one token per step (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
+        self.eos = self.tokenizer.convert_tokens_to_ids(_END)
+        self.scenario = load_scenarios(os.environ.get(SCENARIOS_ENV, ""))
+        self._probe = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "."}], add_generation_prompt=True, tokenize=False
+        )
+        # batch index -> (the reply's ids, the request's live output ids)
+        self.forced: dict[int, tuple[list[int], list[int]]] = {}
+        log.info(
+            "scripted replies: %d scripts from %s", len(self.scenario.scripts), self.scenario.source
+        )
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.forced, batch_update, self._new_request)
+
+    def _new_request(self, params, prompt_ids, output_ids) -> tuple[list[int], list[int]] | None:
+        if not prompt_ids:
+            return None
+        try:
+            reply = self.reply_ids(prompt_ids)
+        except Exception:  # a script that cannot be rendered: let the model sample, say why
+            log.exception("scripted replies: no reply for a %d-token prompt", len(prompt_ids))
+            return None
+        return (reply, output_ids) if reply else None
+
+    def reply_ids(self, prompt_ids: list[int]) -> list[int] | None:
+        """The scripted reply's token ids for this prompt, ending with ``<|im_end|>``."""
+        conv = read_prompt(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        if conv is None:
+            return None
+        try:
+            _, turn = self.scenario.turn(
+                conv.system,
+                conv.users[0] if conv.users else "",
+                conv.tool_names,
+                conv.assistant_turns,
+                conv.users[-1] if conv.users else "",
+                conv.all_text,
+            )
+        except LookupError:
+            return None
+        text = self.render(turn, with_reasoning=not conv.generation_prefix)
+        if conv.generation_prefix and text.startswith(conv.generation_prefix):
+            text = text[len(conv.generation_prefix) :]
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids[: ids.index(self.eos) + 1] if self.eos in ids else [*ids, self.eos]
+
+    def render(self, turn: Any, with_reasoning: bool) -> str:
+        """The assistant turn as the chat template writes it after a generation prompt."""
+        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+        if with_reasoning and turn.reasoning is not None:
+            message["reasoning_content"] = turn.reasoning
+        if turn.tool_calls:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in turn.tool_calls
+            ]
+        full = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "."}, message], tokenize=False
+        )
+        return full[len(self._probe) :] if full.startswith(self._probe) else full
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (reply, output) in self.forced.items():
+            step = len(output)
+            if step < len(reply) and index < logits.shape[0]:
+                logits[index].fill_(float("-inf"))
+                logits[index, reply[step]] = 0.0
+        return logits
