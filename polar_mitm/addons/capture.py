@@ -39,6 +39,7 @@ from ..metrics import ProxyMetrics
 from ..tokens.count import PromptCounter
 from ..trajectory.lineage import agent_of
 from ..upstream import UPSTREAMS, Upstream, kind_from_models
+from .constraints import ConstraintsAddon
 from .exact_prefix import ExactPrefixAddon
 from .identity import RolloutIdentityAddon
 from .options import _errors, _seconds, log
@@ -101,6 +102,7 @@ class CaptureAddon:
         self.live: dict[str, Call] = {}
         self.metrics: ProxyMetrics | None = None  # observes each call's added latency
         self.warmup: WarmUpAddon | None = None  # runs once the gateway listens
+        self.constraints: ConstraintsAddon | None = None  # polar_harness_constraints
         self._announcing: asyncio.Task | None = None
 
     def load(self, loader) -> None:
@@ -402,6 +404,9 @@ class CaptureAddon:
             book,
             self.max_model_len,
         )
+        if self.constraints is not None:
+            settings.harness_constraints = self.constraints.mode
+            settings.think_markers = self.constraints.markers
         call = Call(record, dialect, req, settings, self.sinks, secrets, self._call_done)
         if self.metrics is not None:
             call.on_hold = self.metrics.durable_hold

@@ -36,9 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+try:
+    import torch
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+except ImportError:  # the project's venv: only ScriptPlayer is used there (its unit tests)
+    LogitsProcessor = object  # type: ignore[assignment,misc]
 
 log = logging.getLogger("polar.vllm_script")
 
@@ -94,14 +97,20 @@ def read_prompt(text: str) -> Conversation | None:
     role, _, open_body = blocks[-1].partition("\n")
     if role != "assistant" or _END in open_body:
         return None
-    system, users, tools, assistants, every = "", [], [], 0, []
+    systems, users, tools, assistants, every = [], [], [], 0, []
     for block in blocks[:-1]:
         role, _, body = block.partition("\n")
         body = body.split(_END, 1)[0]
         if role == "system":
-            system, _, tool_part = body.partition("\n\n# Tools\n\n")
-            tools = _tool_names(tool_part)
-            every.append(system)
+            # the template appends the tools after the first system message's text
+            text, marker, tool_part = body.rpartition("\n\n# Tools\n\n")
+            if not marker and body.startswith("# Tools\n\n"):
+                text, tool_part = "", body
+            elif not marker:
+                text = body
+            tools = tools or _tool_names(tool_part)
+            systems.append(text)
+            every.append(text)
         elif role == "user" and not body.startswith("<tool_response>"):
             users.append(body)
             every.append(body)
@@ -111,7 +120,7 @@ def read_prompt(text: str) -> Conversation | None:
         else:
             every.append(body)
     return Conversation(
-        system=system,
+        system="\n".join(systems),
         users=tuple(users),
         tool_names=tuple(tools),
         assistant_turns=assistants,
@@ -135,42 +144,20 @@ def _tool_names(tool_part: str) -> list[str]:
     return names
 
 
-class ScriptedReplies(LogitsProcessor):
-    """Forces each request's scripted reply, one token per step (see the module docstring)."""
+class ScriptPlayer:
+    """Which reply a prompt gets: the scenario's turn, rendered and tokenized."""
 
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
-        self.eos = self.tokenizer.convert_tokens_to_ids(_END)
-        self.scenario = load_scenarios(os.environ.get(SCENARIOS_ENV, ""))
-        self._probe = self.tokenizer.apply_chat_template(
+    def __init__(self, tokenizer: Any, scenario: Any) -> None:
+        self.tokenizer = tokenizer
+        self.scenario = scenario
+        self.eos = tokenizer.convert_tokens_to_ids(_END)
+        self._probe = tokenizer.apply_chat_template(
             [{"role": "user", "content": "."}], add_generation_prompt=True, tokenize=False
         )
-        # batch index -> (the reply's ids, the request's live output ids)
-        self.forced: dict[int, tuple[list[int], list[int]]] = {}
-        log.info(
-            "scripted replies: %d scripts from %s", len(self.scenario.scripts), self.scenario.source
-        )
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self.forced, batch_update, self._new_request)
-
-    def _new_request(self, params, prompt_ids, output_ids) -> tuple[list[int], list[int]] | None:
-        if not prompt_ids:
-            return None
-        try:
-            reply = self.reply_ids(prompt_ids)
-        except Exception:  # a script that cannot be rendered: let the model sample, say why
-            log.exception("scripted replies: no reply for a %d-token prompt", len(prompt_ids))
-            return None
-        return (reply, output_ids) if reply else None
 
     def reply_ids(self, prompt_ids: list[int]) -> list[int] | None:
-        """The scripted reply's token ids for this prompt, ending with ``<|im_end|>``."""
+        """The scripted reply's token ids for this prompt, ending with ``<|im_end|>``; ``None``
+        when the prompt is not an open assistant turn or no script matches it."""
         conv = read_prompt(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         if conv is None:
             return None
@@ -206,10 +193,52 @@ class ScriptedReplies(LogitsProcessor):
         )
         return full[len(self._probe) :] if full.startswith(self._probe) else full
 
+
+class ScriptedReplies(LogitsProcessor):
+    """Forces each request's scripted reply, one token per step (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
+        scenario = load_scenarios(os.environ.get(SCENARIOS_ENV, ""))
+        self.player = ScriptPlayer(tokenizer, scenario)
+        # batch index -> [the reply's ids, the request's live output ids, reply tokens skipped]
+        self.forced: dict[int, list[Any]] = {}
+        log.info("scripted replies: %d scripts from %s", len(scenario.scripts), scenario.source)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.forced, batch_update, self._new_request)
+
+    def _new_request(self, params, prompt_ids, output_ids) -> list[Any] | None:
+        if not prompt_ids:
+            return None
+        try:
+            reply = self.player.reply_ids(prompt_ids)
+        except Exception:  # a script that cannot be rendered: let the model sample, say why
+            log.exception("scripted replies: no reply for a %d-token prompt", len(prompt_ids))
+            return None
+        return [reply, output_ids, 0] if reply else None
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for index, (reply, output) in self.forced.items():
-            step = len(output)
-            if step < len(reply) and index < logits.shape[0]:
-                logits[index].fill_(float("-inf"))
-                logits[index, reply[step]] = 0.0
+        """Leave only the reply's next token. A token the request's grammar forbids (its
+        bitmask is applied before custom processors: the logit is already -inf) is skipped,
+        e.g. the template's "\\n\\n" before ``<tool_call>`` under ``tool_choice: required``;
+        when no later reply token is allowed either, the model samples under the grammar."""
+        for index, state in self.forced.items():
+            reply, output, skipped = state
+            step = len(output) + skipped
+            if index >= logits.shape[0] or step >= len(reply):
+                continue
+            row = logits[index]
+            while step < len(reply) and row[reply[step]].item() == float("-inf"):
+                step += 1
+            if step >= len(reply):
+                continue
+            state[2] = step - len(output)
+            row.fill_(float("-inf"))
+            row[reply[step]] = 0.0
         return logits

@@ -72,6 +72,10 @@ CALLS_SCHEMA = pa.schema(
         pa.field("prompt_base_len", pa.int32()),  # ids shared with its prompt + output
         pa.field("request_base_prefix", pa.int32()),  # characters shared with its request_json
         pa.field("request_base_suffix", pa.int32()),  # ... at the start, and at the end
+        # grammar-constrained sampling (upstream/constraints.py, docs/constrained.md): why the
+        # server sampled under a grammar, and output_token_ids[constrained_from:] were
+        pa.field("constrained_by", pa.list_(pa.string())),
+        pa.field("constrained_from", pa.int32()),
     ]
 )
 
@@ -107,6 +111,8 @@ TRACES_SCHEMA = pa.schema(
         pa.field("trainable", pa.bool_()),
         pa.field("untrainable_reason", pa.string()),
         pa.field("created_at", _TS),
+        # [start, end) pairs, flattened, of input_ids positions sampled under a grammar
+        pa.field("constrained_spans", _IDS),
     ]
 )
 

@@ -72,6 +72,7 @@ class Rollout:
             policy_version_end=record.policy_version_end,
             error=record.error,
             trainable=record.trainable,
+            constrained_from=record.constrained_from,
         )
         self.calls.append(facts)
         if record.status != "completed":

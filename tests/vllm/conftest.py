@@ -70,3 +70,7 @@ def recorder(vllm: VllmServer) -> Iterator[Recorder]:
     rec = Recorder(vllm.url)
     yield rec
     rec.stop()
+
+
+# the harness e2e fixtures (pinned npm binaries, a network namespace per test)
+from ..e2e.conftest import harness_bin, netns  # noqa: E402, F401
