@@ -18,6 +18,7 @@ from ..test_capture_e2e import calls_of
 from ..test_dialects_e2e import QUESTION, SYSTEM
 from .checks import check_exact, check_rescoring
 
+PARALLEL = "parallel_tool_calls=false"
 CHAT_URL = "https://api.openai.com/v1/chat/completions"
 STRICT_SHELL = {"type": "function", "function": {**RUN_SHELL["function"], "strict": True}}
 SCHEMA = {
@@ -103,13 +104,19 @@ def test_every_grammar_bent_token_is_flagged(vllm, recorder, make_mitm, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["pass", "drop"])
+@pytest.mark.parametrize(
+    ("mode", "exact"),
+    [("pass", False), ("drop", False), ("pass", True)],
+    ids=["pass", "drop", "pass-exact"],
+)
 def test_codex_parallel_tool_calls(
-    mode, vllm, recorder, harness_bin, netns, tmp_path, confdir, make_mitm
+    mode, exact, vllm, recorder, harness_bin, netns, tmp_path, confdir, make_mitm
 ):
     """Codex sends parallel_tool_calls: false. Passed on, its tool-call tokens are sampled under
     vLLM's one-call grammar: recorded, flagged, and with polar_fidelity=strict the trace is not
-    trainable; dropped, the policy samples from its own distribution and the trace is exact."""
+    trainable; dropped, the policy samples from its own distribution and the trace is exact.
+    In exact-prefix mode only the chain's first call goes the chat way (token-in carries no
+    tools): that one is still constrained when the flag is passed."""
 
     def mitm(url, **kw):
         return make_mitm(
@@ -117,6 +124,7 @@ def test_codex_parallel_tool_calls(
             polar_harness_constraints=mode,
             polar_tokenizer=str(qwen3_tokenizer_dir()),
             polar_fidelity="strict",
+            polar_exact_prefix=str(exact).lower(),
             **kw,
         )
 
@@ -137,7 +145,11 @@ def test_codex_parallel_tool_calls(
     [trace] = [t for t in seen.traces if t["rollout_id"] == rollout and t["role"] == "main"]
     scored = check_rescoring(recorder.url, trace)
     sent = [e.body for e in recorder.chats()]
-    if mode == "pass":
+    if exact:
+        assert [r["route"] for r in seen.calls] == ["chat", "token_in"]
+        assert [r["constrained_by"] or None for r in seen.calls] == [[PARALLEL], None]
+        assert scored.off_tokens > 0 and trace["trainable"] is False
+    elif mode == "pass":
         assert all(b.get("parallel_tool_calls") is False for b in sent)
         assert all(r["constrained_by"] == ["parallel_tool_calls=false"] for r in seen.calls)
         assert scored.off_tokens > 0 and trace["trainable"] is False
