@@ -329,7 +329,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log = args.log or Path(tempfile.mkdtemp(prefix="polar-vllm-")) / "vllm.log"
     server = launch(args.scenarios, log, max_model_len=args.max_model_len, owner_pid=os.getpid())
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    # both, explicitly: a job a script starts with `&` inherits SIGINT ignored
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
     try:
         server.wait_ready()
         print(f"vllm listening on {server.url} (log {log})", flush=True)
