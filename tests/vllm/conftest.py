@@ -45,11 +45,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def vllm_setup() -> None:
+    """Skip (fail under CI) without the tier's set-up, with the set-up's own reason."""
     try:
         find_setup()
     except VllmUnavailable as e:
         need(False, str(e))
+
+
+@pytest.fixture(scope="session")
+def vllm(vllm_setup: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     if os.environ.get("POLAR_VLLM_URL"):  # a server already running with SCENARIOS (vllm_launch)
         url = os.environ["POLAR_VLLM_URL"].rstrip("/")
         yield VllmServer(url, 0, Path(os.devnull), tuple(str(s) for s in SCENARIOS))

@@ -13,7 +13,7 @@ from ..procs import ROOT
 
 
 @pytest.mark.slow
-def test_bench_vllm_smoke(vllm, tmp_path):
+def test_bench_vllm_smoke(vllm_setup, tmp_path):
     out = tmp_path / "vllm.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_vllm.py"), "--smoke", "--json", str(out)],
