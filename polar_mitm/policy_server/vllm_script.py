@@ -180,14 +180,7 @@ class ScriptPlayer:
 
     def render(self, turn: Any, with_reasoning: bool) -> str:
         """The assistant turn as the chat template writes it after a generation prompt."""
-        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-        if with_reasoning and turn.reasoning is not None:
-            message["reasoning_content"] = turn.reasoning
-        if turn.tool_calls:
-            message["tool_calls"] = [
-                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in turn.tool_calls
-            ]
+        message = _scenario_module().assistant_message(turn, with_reasoning)
         full = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": "."}, message], tokenize=False
         )

@@ -20,20 +20,13 @@ from polar_mitm.policy_server.vllm_launch import (
     shared_server,
 )
 
+from ..procs import need
 from .recorder import Recorder
 
 HERE = Path(__file__).parent
 # Every scenario the tier plays, in one server: the tier's own scripts (all with a `match`),
 # then the harness e2e scenario (its side-call default last).
 SCENARIOS = (HERE / "scenario.json", HERE.parent / "e2e" / "scenarios" / "harnesses.json")
-
-
-def need(ok: bool, why: str) -> None:
-    if ok:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"{why} (CI must have it: scripts/test.sh runs scripts/setup_vllm.sh)")
-    pytest.skip(why)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -50,7 +43,7 @@ def vllm_setup() -> None:
     try:
         find_setup()
     except VllmUnavailable as e:
-        need(False, str(e))
+        need(False, str(e), "scripts/test.sh runs scripts/setup_vllm.sh")
 
 
 @pytest.fixture(scope="session")

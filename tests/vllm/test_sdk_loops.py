@@ -4,13 +4,18 @@ are the engine's own and whose logprobs the engine's re-scoring confirms (checks
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from polar_mitm.store import read_table
 
-from ..clients import RUN_SHELL, TOOL_OUTPUTS, _streamed_reply, openai_client
+from ..clients import (
+    RUN_SHELL,
+    _streamed_reply,
+    messages_next,
+    openai_client,
+    responses_next,
+    tool_messages,
+)
 from ..test_capture_e2e import calls_of
 from ..test_dialects_e2e import (
     ANTHROPIC_TOOL,
@@ -48,11 +53,7 @@ def chat_loop(client, stream: bool) -> list[dict]:
         messages.append(
             {"role": "assistant", "content": (reply.get("content") or "").strip() or None, **turn}
         )
-        for call in reply.get("tool_calls") or ():
-            cmd = json.loads(call["function"]["arguments"])["cmd"]
-            messages.append(
-                {"role": "tool", "tool_call_id": call["id"], "content": TOOL_OUTPUTS[cmd]}
-            )
+        messages += tool_messages(reply)
         if not reply.get("tool_calls"):
             break
     return replies
@@ -77,14 +78,9 @@ def responses_loop(client, stream: bool) -> list:
             final = client.responses.create(**kwargs)
         assert final.status == "completed"
         finals.append(final)
-        items += [item.model_dump(exclude_none=True) for item in final.output]
-        calls = [i for i in final.output if i.type == "function_call"]
-        for c in calls:
-            cmd = json.loads(c.arguments)["cmd"]
-            items.append(
-                {"type": "function_call_output", "call_id": c.call_id, "output": TOOL_OUTPUTS[cmd]}
-            )
-        if not calls:
+        more, called = responses_next(final)
+        items += more
+        if not called:
             break
     return finals
 
@@ -106,28 +102,10 @@ def messages_loop(client, stream: bool) -> list:
         else:
             final = client.messages.create(**kwargs)
         finals.append(final)
-        messages.append(
-            {
-                "role": "assistant",
-                "content": [b.model_dump(exclude_none=True) for b in final.content],
-            }
-        )
-        uses = [b for b in final.content if b.type == "tool_use"]
-        if not uses:
+        more, used = messages_next(final)
+        messages += more
+        if not used:
             break
-        messages.append(
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "tool_result",
-                        "tool_use_id": u.id,
-                        "content": TOOL_OUTPUTS[u.input["cmd"]],
-                    }
-                    for u in uses
-                ],
-            }
-        )
     return finals
 
 
