@@ -6,6 +6,8 @@ span (the engine's re-scoring finds no other), and `polar_harness_constraints=dr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir
@@ -16,6 +18,7 @@ from ..e2e.harnesses import FINAL_TEXT
 from ..e2e.test_harnesses import ROLLOUTS, run_through_proxy
 from ..test_capture_e2e import calls_of
 from ..test_dialects_e2e import QUESTION, SYSTEM
+from ..test_fidelity_e2e import cli
 from .checks import check_exact, check_rescoring
 
 PARALLEL = "parallel_tool_calls=false"
@@ -94,6 +97,18 @@ def test_every_grammar_bent_token_is_flagged(vllm, recorder, make_mitm, mode):
             assert "constrained_sampling" in row["fidelity_flags"]
             assert trace["trainable"] is False
             assert "constrained_sampling" in trace["untrainable_reason"]
+    # the CLI says it: the summary's grammar tokens, the fidelity report's calls by reason
+    grammar = sum(
+        len(r["output_token_ids"]) - r["constrained_from"]
+        for r in rows
+        if r["constrained_from"] is not None
+    )
+    summary = json.loads(cli("summary", str(mitm.output), "--json").stdout)
+    assert summary["totals"]["constrained_tokens"] == grammar > 0
+    report = json.loads(cli("fidelity", str(mitm.output), "--json").stdout)["total"]
+    assert report["constrained_tokens"] == grammar
+    assert report["constrained_calls"] == sum(bool(r["constrained_by"]) for r in rows)
+    assert report["constrained_by"].get(PARALLEL, 0) == (mode == "pass")
     # output tokens, flagged, bent (> 0.01 nats off the re-scoring), largest difference
     print(
         mode,
