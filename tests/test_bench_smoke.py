@@ -66,6 +66,7 @@ def test_bench_long_smoke(tmp_path):
             str(ROOT / "scripts" / "bench.py"),
             "--long",
             "--smoke",
+            "--no-vllm",  # its real-vLLM column has its own test (tests/vllm/test_bench_vllm.py)
             "--json",
             str(out),
         ],

@@ -140,13 +140,14 @@ def test_summary_table_in_a_real_process(data, truth):
     rows = {line.split()[0]: line.split() for line in p.stdout.splitlines() if line.strip()}
     loop = rows["loop.0"]
     calls, traces = of(truth["calls"], "loop.0"), of(truth["traces"], "loop.0")
-    # rollout group calls err prompt sampled traces policy env ...
-    assert loop[1:9] == [
+    # rollout group calls err prompt sampled grammar traces policy env ...
+    assert loop[1:10] == [
         "loop",
         str(len(calls)),
         "0",
         str(sum(len(c["prompt_token_ids"]) for c in calls)),
         str(sampled(calls)),
+        "0",  # no call sampled under a grammar (docs/constrained.md)
         "1",
         str(sum(traces[0]["loss_mask"])),
         str(len(traces[0]["input_ids"]) - sum(traces[0]["loss_mask"])),

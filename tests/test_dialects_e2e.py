@@ -20,7 +20,15 @@ from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.dialects.convert import unseal
 
 from .broken_upstream import BrokenUpstream
-from .clients import RUN_SHELL, TOOL_OUTPUTS, grep_bytes, http_client, openai_client
+from .clients import (
+    RUN_SHELL,
+    TOOL_OUTPUTS,
+    grep_bytes,
+    http_client,
+    messages_next,
+    openai_client,
+    responses_next,
+)
 from .test_capture_e2e import calls_of, wait_for_upstream_request
 from .upstreams import direct_ids, expected_prompt_ids
 
@@ -144,17 +152,9 @@ def test_responses_three_turn_tool_conversation(
             final = client.responses.create(**kwargs)
         finals.append(final)
         assert final.model == "gpt-5" and final.status == "completed"
-        items = items + [item.model_dump(exclude_none=True) for item in final.output]  # as Codex
-        calls = [i for i in final.output if i.type == "function_call"]
-        for c in calls:
-            items.append(
-                {
-                    "type": "function_call_output",
-                    "call_id": c.call_id,
-                    "output": TOOL_OUTPUTS[json.loads(c.arguments)["cmd"]],
-                }
-            )
-        if not calls:
+        more, called = responses_next(final)  # as Codex
+        items = items + more
+        if not called:
             break
 
     kinds = [[i.type for i in f.output] for f in finals]
@@ -366,28 +366,9 @@ def test_messages_three_turn_tool_conversation(
             final = client.messages.create(**kwargs)
         finals.append(final)
         assert final.model == "claude-sonnet-4-5"
-        messages = messages + [
-            {
-                "role": "assistant",
-                "content": [b.model_dump(exclude_none=True) for b in final.content],
-            }
-        ]
-        uses = [b for b in final.content if b.type == "tool_use"]
-        if uses:
-            messages.append(
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "tool_result",
-                            "tool_use_id": u.id,
-                            "content": TOOL_OUTPUTS[u.input["cmd"]],
-                        }
-                        for u in uses
-                    ],
-                }
-            )
-        else:
+        more, used = messages_next(final)
+        messages = messages + more
+        if not used:
             break
 
     assert [f.stop_reason for f in finals] == ["tool_use", "tool_use", "end_turn"]

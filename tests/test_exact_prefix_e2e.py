@@ -22,7 +22,7 @@ import pytest
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.store import read_table
 
-from .clients import RUN_SHELL, openai_client
+from .clients import RUN_SHELL, messages_next, openai_client
 from .procs import MITMDUMP, ROOT
 from .test_fidelity_e2e import cli
 from .upstreams import direct_ids
@@ -265,24 +265,10 @@ def _messages_conversation(mitm, rollout: str) -> tuple[list, list]:
             for b in final.content
         ]
         seen_by_sdk.append((final.stop_reason, blocks, final.usage.output_tokens))
-        messages.append(
-            {
-                "role": "assistant",
-                "content": [b.model_dump(exclude_none=True) for b in final.content],
-            }
-        )
-        uses = [b for b in final.content if b.type == "tool_use"]
-        if not uses:
+        more, used = messages_next(final, lambda u: "3 notes.txt")
+        messages += more
+        if not used:
             break
-        messages.append(
-            {
-                "role": "user",
-                "content": [
-                    {"type": "tool_result", "tool_use_id": u.id, "content": "3 notes.txt"}
-                    for u in uses
-                ],
-            }
-        )
     return seen_by_sdk, messages
 
 

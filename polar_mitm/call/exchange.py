@@ -32,6 +32,7 @@ from ..dialects.assemble import ChatAssembler, reply_to_chunks
 from ..tokens.retokenize import RetokenizeJob, Retokenizer
 from ..trajectory.exact_prefix import ExactPrefix, Lookup, put_note
 from ..upstream import TokenTally, Upstream
+from ..upstream.constraints import PASS, ThinkMarkers, note_constraints, upstream_chat
 from .record import CallRecord, CallSink, deliver, now_us, redacted_json
 from .sse import SSEParser
 from .token_in import TokenInReply
@@ -103,6 +104,8 @@ class UpstreamSettings:
     retokenizer: Retokenizer | None = None  # the no-ids fallback, when polar_tokenizer allows it
     exact: ExactPrefix | None = None  # polar_exact_prefix: chains and token-in prompts
     max_model_len: int | None = None  # from the server's GET /v1/models (token-in output caps)
+    harness_constraints: str = PASS  # polar_harness_constraints (upstream/constraints.py)
+    think_markers: ThinkMarkers | None = None  # from polar_tokenizer: where a grammar starts
 
 
 class UpstreamFailed(Exception):
@@ -205,7 +208,9 @@ class Call:
         else:
             stream_upstream = self.req.stream and upstream.streams_with_tokens
             body = upstream.request_body(
-                self.req.chat,
+                upstream_chat(
+                    self.req.chat, self.settings.harness_constraints, self.record.translation_notes
+                ),
                 model=model,
                 stream=stream_upstream,
                 top_logprobs=self.req.top_logprobs,
@@ -599,6 +604,11 @@ class Call:
             record.flag("logprobs_misaligned")
         if self.assembler.id is not None or status == "completed":
             record.response_json = redacted_json(self.assembler.as_reply(), self.secrets)
+        chat_body = self.upstream_body if record.route == "chat" else None
+        a = self.assembler
+        note_constraints(
+            record, chat_body, self.settings.think_markers, bool(a.reasoning), len(a.tool_calls)
+        )
         record.trainable = (
             status == "completed" and record.ids_source == "upstream" and not record.fidelity_flags
         )

@@ -101,6 +101,10 @@ class CallRecord:
     response_json: str | None = None
     headers_json: str | None = None
     translation_notes: list[str] = field(default_factory=list)
+    # grammar-constrained sampling (upstream/constraints.py): why, and the first output token
+    # sampled under the grammar (all later ones were too)
+    constrained_by: list[str] = field(default_factory=list)
+    constrained_from: int | None = None
     # not a column: the merge's word on which call this one extends (`Placement.base`), for the
     # store's delta encoding (see `to_row`, store/delta.py)
     delta_base: tuple[str, int, str | None] | None = field(default=None, repr=False)
@@ -215,6 +219,7 @@ _CHECKS: tuple[tuple[str, Any], ...] = (
     ("model_requested", _str),
     ("session_id", _str),
     ("error", _str),
+    ("constrained_from", _int32),
 )
 _NOT_NULL_LISTS = frozenset({"output_token_ids", "output_logprobs"})
 

@@ -44,6 +44,7 @@ CALL_FIGURES = (
     "fidelity_flags",
     "fidelity_json",  # only whether a check ran ("checked") is read from it
     "trainable",
+    "constrained_from",
 )
 # traces/ without the token arrays (num_policy_tokens / num_env_tokens carry their sums).
 TRACE_FIGURES = (

@@ -89,6 +89,11 @@ class Group:
     wrong: int = 0
     flags: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FLAGS, 0))
     exact: ExactPrefixFigures = field(default_factory=ExactPrefixFigures)
+    # sampled under a grammar (calls' constrained_from on; docs/constrained.md): their
+    # logprobs are the grammar's, whatever the text pipeline does
+    constrained_calls: int = 0
+    constrained_tokens: int = 0
+    constrained_by: dict[str, int] = field(default_factory=dict)
 
     @property
     def share(self) -> float | None:
@@ -106,7 +111,24 @@ class Group:
             "wrong_policy_tokens": self.wrong,
             "wrong_share": self.share,
             "exact_prefix": self.exact.as_dict(),
+            "constrained_calls": self.constrained_calls,
+            "constrained_tokens": self.constrained_tokens,
+            "constrained_by": dict(self.constrained_by),
         }
+
+    def add_constrained(self, row: dict[str, Any]) -> None:
+        start = row.get("constrained_from")
+        for reason in row.get("constrained_by") or ():
+            self.constrained_by[reason] = self.constrained_by.get(reason, 0) + 1
+        if start is not None:
+            self.constrained_calls += 1
+            self.constrained_tokens += max(0, len(row.get("output_token_ids") or ()) - start)
+
+    def merge_constrained(self, other: Group) -> None:
+        self.constrained_calls += other.constrained_calls
+        self.constrained_tokens += other.constrained_tokens
+        for reason, n in other.constrained_by.items():
+            self.constrained_by[reason] = self.constrained_by.get(reason, 0) + n
 
 
 @dataclass(slots=True)
@@ -128,6 +150,7 @@ def fidelity_report(rows: list[dict[str, Any]]) -> tuple[list[Group], Group, lis
         group = groups.setdefault(key, Group(*key))
         group.calls += 1
         group_of[row["call_id"]] = key
+        group.add_constrained(row)
         data = _json(row.get("fidelity_json"))
         if isinstance(data.get("exact_prefix"), dict):
             group.exact.add(data["exact_prefix"])
@@ -157,6 +180,7 @@ def fidelity_report(rows: list[dict[str, Any]]) -> tuple[list[Group], Group, lis
         for flag, n in g.flags.items():
             total.flags[flag] += n
         total.exact.merge(g.exact)
+        total.merge_constrained(g)
     return sorted(groups.values(), key=lambda g: (g.dialect, g.harness)), total, examples
 
 
@@ -180,6 +204,8 @@ def _listing(groups: list[Group], total: Group, directory: str) -> Listing:
         {"policy tokens": len(FLAGS) + 2, "wrong": len(FLAGS) + 1, "checked": len(FLAGS) + 3}
     )
     names = ("calls", "checked", "with tokenizer", *FLAGS, "policy tokens", "wrong", "wrong %")
+    names += ("grammar",)  # policy tokens sampled under a grammar (constrained_from on)
+    drop["grammar"] = len(FLAGS) + 4
     columns = [Column("dialect"), Column("harness")]
     columns += [
         Column(name.replace("_", " "), numeric=True, drop=drop.get(name, 0)) for name in names
@@ -197,6 +223,7 @@ def _listing(groups: list[Group], total: Group, directory: str) -> Listing:
             str(g.policy_tokens),
             str(g.wrong),
             _pct(g.share),
+            str(g.constrained_tokens),
         ]
 
     listing.rows = [row(g) for g in groups]
@@ -281,6 +308,8 @@ def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> Non
             "output_token_ids",
             "fidelity_flags",
             "fidelity_json",
+            "constrained_by",
+            "constrained_from",
         )
         if c in calls.column_names
     ]
@@ -325,6 +354,13 @@ def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> Non
             f"in chat mode [bold]{exact.calls_drift_removed}[/bold] of them would have had a "
             f"re-rendered prompt ({exact.drift_tokens_removed} tokens from the first difference "
             f"on). Sent the chat way: {reasons or 'none'}."
+        )
+    if total.constrained_by:
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(total.constrained_by.items()))
+        console.print(
+            f"Grammar-constrained sampling: [bold]{total.constrained_tokens}[/bold] policy tokens "
+            f"in {total.constrained_calls} calls were sampled under a grammar, whose logprobs are "
+            f"not the policy's ({reasons}; docs/constrained.md)."
         )
     for ex in examples[:n_examples]:
         console.print(_example_table(ex))

@@ -29,6 +29,8 @@ class RolloutSummary:
     calls: int = 0
     prompt_tokens: int = 0  # sum over calls of len(prompt_token_ids)
     output_tokens: int = 0  # sum over calls of len(output_token_ids): what the policy sampled
+    # ... of them sampled under a grammar (calls' constrained_from on: docs/constrained.md)
+    constrained_tokens: int = 0
     errors: int = 0  # calls that did not complete
     retokenized: int = 0  # calls whose ids the proxy recomputed (the server returned none)
     statuses: dict[str, int] = field(default_factory=dict)  # of the calls
@@ -147,6 +149,7 @@ def _add_calls(out: dict[str, RolloutSummary], calls: pa.Table) -> None:
     named_by = _col(calls, "rollout_source")
     dialects, sources = _col(calls, "dialect"), _col(calls, "ids_source")
     flags = _col(calls, "fidelity_flags")
+    constrained = _col(calls, "constrained_from")
     checked = _checked(calls)
     for i in order:
         s = out.get(rollouts[i])
@@ -155,6 +158,8 @@ def _add_calls(out: dict[str, RolloutSummary], calls: pa.Table) -> None:
         s.calls += 1
         s.prompt_tokens += prompt_len[i]
         s.output_tokens += output_len[i]
+        if constrained[i] is not None:
+            s.constrained_tokens += max(0, output_len[i] - constrained[i])
         status = statuses[i] or "unknown"
         _count(s.statuses, status)
         if status != "completed":
@@ -249,6 +254,7 @@ def _totals(rollouts: list[RolloutSummary], groups: list[GroupSummary]) -> dict[
         "retokenized",
         "prompt_tokens",
         "output_tokens",
+        "constrained_tokens",
         "traces",
         "policy_tokens",
         "env_tokens",

@@ -34,6 +34,7 @@ ROLLOUT_COLUMNS = (
     Column("err", numeric=True, drop=9),
     Column("prompt", numeric=True, drop=4),
     Column("sampled", numeric=True, drop=8),
+    Column("grammar", numeric=True, drop=1),  # sampled under a grammar (docs/constrained.md)
     Column("traces", numeric=True, drop=2),
     Column("policy", numeric=True, drop=7),
     Column("env", numeric=True, drop=1),
@@ -68,6 +69,7 @@ def _rollout_cells(r: RolloutSummary) -> list[object]:
         r.errors,
         r.prompt_tokens,
         r.output_tokens,
+        r.constrained_tokens,
         r.traces,
         r.policy_tokens,
         r.env_tokens,
@@ -92,6 +94,7 @@ def rollout_listing(summary: Summary, source: str) -> Listing:
         t["errors"],
         t["prompt_tokens"],
         t["output_tokens"],
+        t["constrained_tokens"],
         t["traces"],
         t["policy_tokens"],
         t["env_tokens"],

@@ -105,6 +105,9 @@ class Record:
             "untrainable_reason": t.get("untrainable_reason"),
             "fidelity_flags": list(t.get("fidelity_flags") or []),
             "policy_versions": list(t.get("policy_versions") or []),
+            # [start, end) pairs (flattened) of input_ids sampled under a grammar, whose
+            # logprobs are not the policy's (docs/constrained.md)
+            "constrained_spans": list(t.get("constrained_spans") or []),
         }
 
 

@@ -7,7 +7,9 @@ docs/export.md): ``prompts`` [B, P] left-padded, ``responses`` [B, R] right-padd
 ``input_ids`` / ``attention_mask`` / ``position_ids`` [B, P+R], all int64 (torch.long), and
 ``rollout_log_probs`` [B, R] float32, 0 where masked. ``rm_scores`` [B, R] float32 holds the reward
 on the last response token, as verl puts a precomputed reward score, and is written only when every
-record has a reward. The 1-D arrays are the non-tensor batch: ``uid`` (verl's GRPO grouping key:
+record has a reward. ``constrained_mask`` [B, R] int64 (not verl's: polar-mitm's) is 1 on the
+response tokens sampled under a grammar (docs/constrained.md), whose ``rollout_log_probs`` are
+the grammar's, not the policy's: ``response_mask * (1 - constrained_mask)`` leaves them out. The 1-D arrays are the non-tensor batch: ``uid`` (verl's GRPO grouping key:
 the GRPO group, else the rollout), and the record's origin. Load:
 
     z = np.load(path)
@@ -37,6 +39,7 @@ TENSOR_KEYS = (
     "position_ids",
     "rollout_log_probs",
     "rm_scores",
+    "constrained_mask",
 )
 
 
@@ -54,6 +57,7 @@ def arrays(records: list[Record], options: ExportOptions) -> dict[str, np.ndarra
     logprobs = np.zeros((b, r_len), dtype=np.float32)
     rewards = [r.trace.get("reward") for r in records]
     scores = np.zeros((b, r_len), dtype=np.float32)
+    constrained = np.zeros((b, r_len), dtype=np.int64)
     for i, r in enumerate(records):
         ids = np.asarray(r.trace["input_ids"], dtype=np.int64)
         mask = np.asarray(r.trace["loss_mask"], dtype=np.int64)
@@ -68,6 +72,9 @@ def arrays(records: list[Record], options: ExportOptions) -> dict[str, np.ndarra
         logprobs[i, :n] = lps[p:]
         if rewards[i] is not None and n:
             scores[i, n - 1] = rewards[i]
+        spans = r.trace.get("constrained_spans") or ()
+        for start, end in zip(spans[::2], spans[1::2], strict=True):
+            constrained[i, max(0, start - p) : max(0, end - p)] = 1
     attention = np.concatenate([prompt_attention, response_attention], axis=1)
     out: dict[str, np.ndarray] = {
         "prompts": prompts,
@@ -78,6 +85,7 @@ def arrays(records: list[Record], options: ExportOptions) -> dict[str, np.ndarra
         # verl.utils.model.compute_position_id_with_mask: clip(cumsum(mask) - 1, min=0)
         "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None).astype(np.int64),
         "rollout_log_probs": logprobs,
+        "constrained_mask": constrained,
     }
     if records and all(x is not None for x in rewards):
         out["rm_scores"] = scores

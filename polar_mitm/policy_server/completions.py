@@ -33,6 +33,7 @@ from ..upstream.sglang import SGLANG_SAMPLING_FIELDS
 from .generation import fake_logprob, token_limit
 from .render import Renderer
 from .scenario import Scenario, Turn
+from .vllm_wire import SYSTEM_FINGERPRINT
 from .wire import ReplyPlan, Wire, WireError
 
 
@@ -159,7 +160,8 @@ def _logprobs(sample: TokenInSample, a: int, b: int, offset: int, top: int) -> d
         "text_offset": offsets,
         "token_logprobs": values,
         "tokens": tokens,
-        "top_logprobs": [{t: v} if top else None for t, v in zip(tokens, values, strict=True)],
+        # vLLM lists the sampled token's own entry even for ``logprobs: 0``
+        "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=True)],
     }
 
 
@@ -184,8 +186,22 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
             "token_ids": sample.ids if with_ids else None,
             "prompt_logprobs": None,
             "prompt_token_ids": sample.prompt if with_ids else None,
+            "routed_experts": None,
         }
-        reply = {**head, "choices": [choice], "usage": sample.usage}
+        reply = {
+            **head,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": {
+                **sample.usage,
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
         return ReplyPlan(200, "application/json", [_dumps(reply)], [len(sample.ids)], False)
     events: list[bytes] = []
     tokens: list[int] = []
@@ -200,15 +216,20 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
             "stop_reason": None,
         }
         if with_ids:
-            if i == 0:
-                choice["prompt_token_ids"] = sample.prompt
+            choice["prompt_token_ids"] = sample.prompt if i == 0 else None
             choice["token_ids"] = [sample.ids[i]]
         offset += len(sample.pieces[i])
         events.append(b"data: " + _dumps({**head, "choices": [choice]}) + b"\n\n")
         tokens.append(1)
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
-        events.append(b"data: " + _dumps({**head, "choices": [], "usage": sample.usage}) + b"\n\n")
+        usage = {
+            **head,
+            "choices": [],
+            "usage": sample.usage,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
+        events.append(b"data: " + _dumps(usage) + b"\n\n")
         tokens.append(0)
     events.append(DONE)
     tokens.append(0)

@@ -37,7 +37,7 @@ from ..tokens.conversation import (
     normalize_tools,
     template_kwargs,
 )
-from .scenario import Turn
+from .scenario import Turn, assistant_message
 
 __all__ = [
     "Completion",
@@ -215,17 +215,6 @@ class Renderer:
             (inp.key, _turn_key(turn)), lambda: self._make_completion(inp, turn)
         )
 
-    def _assistant_message(self, turn: Turn, with_reasoning: bool) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-        if with_reasoning and turn.reasoning is not None:
-            message["reasoning_content"] = turn.reasoning
-        if turn.tool_calls:
-            message["tool_calls"] = [
-                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in turn.tool_calls
-            ]
-        return message
-
     def _make_completion(self, inp: RenderInput, turn: Turn) -> Completion:
         prompt_text = self.prompt(inp).text
         fallback = False
@@ -234,7 +223,7 @@ class Renderer:
         for with_reasoning in attempts:
             full = self._apply(
                 inp,
-                [*inp.messages, self._assistant_message(turn, with_reasoning)],
+                [*inp.messages, assistant_message(turn, with_reasoning)],
                 generation=False,
                 tokenize=False,
             )

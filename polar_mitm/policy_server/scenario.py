@@ -154,6 +154,21 @@ class Scenario:
         return script, Turn(content=PAST_END_TEXT)
 
 
+def assistant_message(turn: Turn, with_reasoning: bool = True) -> dict[str, Any]:
+    """The chat message a scripted turn is, as a chat template takes it (reasoning as
+    ``reasoning_content``, tool-call arguments as objects): what the reference server and the real
+    vLLM's scripted logits processor (``vllm_script.py``) both render to get a turn's tokens."""
+    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if with_reasoning and turn.reasoning is not None:
+        message["reasoning_content"] = turn.reasoning
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in turn.tool_calls
+        ]
+    return message
+
+
 def _parse_tool_call(raw: Any, where: str) -> ToolCallSpec:
     if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str):
         raise ScenarioError(f"{where}: a tool call needs a string 'name'")

@@ -30,12 +30,15 @@ from ..tokens.conversation import (
     template_kwargs,
 )
 from .generation import Sample
+from .versions import VLLM_VERSION
 from .wire import ChatCall, ReplyPlan, WireError
 
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 JSON_CONTENT_TYPE = "application/json"
 DONE = b"data: [DONE]\n\n"
+#: vLLM's ``system_fingerprint`` is ``vllm-<version>-<build hash>`` (a string in every reply)
+SYSTEM_FINGERPRINT = f"vllm-{VLLM_VERSION}-reference"
 
 
 def _dumps(obj: Any) -> bytes:
@@ -236,9 +239,16 @@ class VllmWire:
             return self._stream(call, sample, served_model)
         return self._full(call, sample, served_model)
 
-    def _usage(self, sample: Sample) -> dict[str, int]:
+    def _usage(self, sample: Sample) -> dict[str, Any]:
+        """With a reasoning parser loaded vLLM also counts the reasoning tokens (those between
+        ``<think>`` and ``</think>``; ``CompletionTokenUsageInfo``)."""
         p, c = len(sample.prompt_ids), len(sample.ids)
-        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+        return {
+            "prompt_tokens": p,
+            "total_tokens": p + c,
+            "completion_tokens": c,
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens(sample)},
+        }
 
     def _full(self, call: ChatCall, sample: Sample, served_model: str) -> ReplyPlan:
         # When the prompt itself closed the think block (enable_thinking: false) all output is content.
@@ -274,6 +284,7 @@ class VllmWire:
             "finish_reason": self._finish(call, sample, bool(parsed.tool_calls)),
             "stop_reason": sample.stop_reason,
             "token_ids": list(sample.ids) if call.return_token_ids and not hide else None,
+            "routed_experts": None,
         }
         usage = self._usage(sample)
         body = {
@@ -283,11 +294,14 @@ class VllmWire:
             "model": served_model,
             "choices": [choice],
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": {**usage, "prompt_tokens_details": None},
             "prompt_logprobs": None,
             "prompt_token_ids": list(sample.prompt_ids) if call.return_token_ids else None,
+            "prompt_text": None,
             "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
         return ReplyPlan(
             status=200,
@@ -342,6 +356,7 @@ class VllmWire:
                 "completion_tokens": 0,
             }
         first["prompt_token_ids"] = list(sample.prompt_ids) if call.return_token_ids else None
+        first["prompt_text"] = None
         emit(first, 0)
 
         parser = StreamParser(
@@ -371,6 +386,8 @@ class VllmWire:
                 delta = {}
             choice: dict[str, Any] = {"index": 0, "delta": self._delta(delta), "logprobs": logprobs}
             if finished:
+                if choice["delta"].get("content") == "":  # vLLM's last chunk: an empty delta
+                    del choice["delta"]["content"]
                 choice["finish_reason"] = self._finish(call, sample, parser.tools_streamed)
                 choice["stop_reason"] = sample.stop_reason
             else:
@@ -389,7 +406,8 @@ class VllmWire:
             emit(chunk, b - a + skipped)
             skipped = 0
         if call.include_usage:
-            emit({**head, "choices": [], "usage": self._usage(sample)}, 0)
+            usage_chunk = {**head, "choices": [], "usage": self._usage(sample)}
+            emit({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT}, 0)
         events.append(DONE)
         tokens.append(0)
         return ReplyPlan(
@@ -440,3 +458,19 @@ class VllmWire:
             "tokens": ids,
             "token_strs": token_strs,
         }
+
+
+def reasoning_tokens(sample: Sample) -> int:
+    """The sampled tokens inside the think block: after ``<think>`` (or from the start when the
+    prompt left the block open) up to ``</think>``; 0 when the prompt closed it."""
+    if sample.reasoning_open is False:
+        return 0
+    start_id, end_id = sample.think_ids
+    ids = list(sample.ids)
+    start = 0
+    if sample.reasoning_open is None:
+        if start_id not in ids:
+            return 0
+        start = ids.index(start_id) + 1
+    end = ids.index(end_id, start) if end_id in ids[start:] else len(ids)
+    return max(0, end - start)

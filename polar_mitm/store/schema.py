@@ -81,6 +81,10 @@ CALLS_SCHEMA = pa.schema(
         # schema 3: the stored parts under their own names (read whole: store.read_table, polar.sql)
         pa.field("prompt_suffix_ids", _IDS),  # the prompt ids after prompt_base_len
         pa.field("request_middle", pa.string()),  # request_json between the shared ends
+        # grammar-constrained sampling (upstream/constraints.py, docs/constrained.md): why the
+        # server sampled under a grammar, and output_token_ids[constrained_from:] were
+        pa.field("constrained_by", pa.list_(pa.string())),
+        pa.field("constrained_from", pa.int32()),
     ]
 )
 
@@ -116,6 +120,8 @@ TRACES_SCHEMA = pa.schema(
         pa.field("trainable", pa.bool_()),
         pa.field("untrainable_reason", pa.string()),
         pa.field("created_at", _TS),
+        # [start, end) pairs, flattened, of input_ids positions sampled under a grammar
+        pa.field("constrained_spans", _IDS),
     ]
 )
 

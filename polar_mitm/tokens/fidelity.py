@@ -8,7 +8,8 @@ they finished — and then hands the record to the store. Two kinds of checks:
 * the call's own tokens (known at once): ``bpe_resplit`` / ``special_tokens`` (the sampled
   ids decoded and encoded again differ; `drift.roundtrip`), ``special_tokens`` in the
   request's text (a server turns them into control tokens), ``count_mismatch`` (ids vs the
-  server's ``usage``, prompt and output);
+  server's ``usage``, prompt and output), ``constrained_sampling`` (tokens sampled under a
+  grammar, whose logprobs are the grammar's: `upstream/constraints.py`);
 * an earlier turn as re-rendered into this call's prompt (known only when this later call
   arrives): when the merge says this call broke off its chain with reason ``rerender`` (every
   earlier message still there, yet other tokens), the stage explains it from the merge's own
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..call.record import CallRecord, CallSink, deliver
 from ..trajectory.breaks import RERENDER
+from ..upstream.constraints import CONSTRAINED_SAMPLING
 from .drift import (
     CONTEXT,
     COUNT_MISMATCH,
@@ -62,7 +64,8 @@ log = logging.getLogger("polar_mitm")
 
 OFF, CHECK, STRICT = "off", "check", "strict"
 MODES = (OFF, CHECK, STRICT)
-DRIFT_FLAGS = frozenset(FLAGS)
+# a grammar's logprobs are not the policy's either (upstream/constraints.py)
+DRIFT_FLAGS = frozenset(FLAGS) | {CONSTRAINED_SAMPLING}
 ANCHOR = 32  # tokens of an environment turn's end used to find it in a re-rendered prompt
 # A first difference this close before a sampled turn is the turn's own (BPE merged the
 # prompt's last token with the re-rendered turn's first: no special token between them).
@@ -136,6 +139,17 @@ def local_checks(tok: PolicyTokenizer | None, record: CallRecord) -> Findings:
             detail = {"part": "prompt", "ids": len(prompt), "usage": usage_prompt, "position": at}
             detail.update(_tail(tok, prompt, at))
             found.add(PROMPT_COUNT_MISMATCH, me, detail)  # the fallback's name for it
+    if record.constrained_from is not None and record.constrained_from < len(out):
+        found.add(
+            CONSTRAINED_SAMPLING,
+            me,
+            {
+                "part": "output",
+                "reasons": list(record.constrained_by),
+                "position": record.constrained_from,
+                "tokens": len(out) - record.constrained_from,
+            },
+        )
     if tok is None:
         return found
     if out and record.ids_source == "upstream":

@@ -81,6 +81,8 @@ class CallFacts:
     # "turns": {flag: [turn call ids]}}; None when the call was not checked
     fidelity: dict[str, Any] | None = None
     rollout_source: str | None = None  # which identity rule named the rollout (call.identity)
+    # the first output token sampled under a grammar (record.constrained_from), if any
+    constrained_from: int | None = None
 
 
 @dataclass(slots=True)
@@ -684,4 +686,15 @@ def trace_row(
         "trainable": not reasons,
         "untrainable_reason": "; ".join(reasons) or None,
         "created_at": meta.created_at,
+        "constrained_spans": constrained_spans(chain),
     }
+
+
+def constrained_spans(chain: Chain) -> list[int] | None:
+    """Flattened ``[start, end)`` pairs of the chain's tokens sampled under a grammar: each
+    call's output from its ``constrained_from`` on (None: no such token)."""
+    spans: list[int] = []
+    for facts, (start, end) in zip(chain.calls, chain._sampled(), strict=True):
+        if facts.constrained_from is not None and start + facts.constrained_from < end:
+            spans += [start + facts.constrained_from, end]
+    return spans or None

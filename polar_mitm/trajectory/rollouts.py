@@ -73,6 +73,7 @@ class Rollout:
             error=record.error,
             trainable=record.trainable,
             rollout_source=record.rollout_source,
+            constrained_from=record.constrained_from,
         )
         self.calls.append(facts)
         if record.status != "completed":

@@ -1,0 +1,34 @@
+"""scripts/bench_vllm.py (the real-vLLM column of `bench.py --long`) runs and measures: its own
+vLLM server (the bench's scenario), the three columns, the server's CPU per call read from /proc."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ..procs import ROOT
+
+
+@pytest.mark.slow
+def test_bench_vllm_smoke(vllm_setup, tmp_path):
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_vllm.py"), "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1100,
+        cwd=ROOT / "scripts",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    cols = results["columns"]
+    for column in ("vllm direct", "polar-mitm chat", "polar-mitm token-in"):
+        assert cols[column]["calls"] == 3 and cols[column]["errors"] == 0, cols[column]
+        assert cols[column]["vllm_cpu_ms_per_call"] > 0
+    assert cols["polar-mitm chat"]["routes"] == {"chat": 3, "token_in": 0}
+    assert cols["polar-mitm token-in"]["routes"] == {"chat": 1, "token_in": 2}
+    assert cols["polar-mitm token-in"]["traces_per_rollout"] == 1.0
+    assert "vLLM CPU per call" in proc.stdout

@@ -1,0 +1,148 @@
+"""The reference policy server kept honest: the same requests to it and to the real vLLM, and any
+difference in what the proxy and the tests rely on fails: status codes, content types, the JSON
+shape of every reply, stream chunk and error (field names, value types, presence, nulls
+included), the kinds of stream chunks in order, and the ids (the scripts are the same, so the
+prompt and output ids must be too). Where they differed, the reference server was changed to
+the real vLLM's (docs/real-vllm.md lists what).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from polar_mitm.policy_server.vllm_launch import SERVED_MODEL
+
+from ..clients import RUN_SHELL
+from .conftest import SCENARIOS
+
+LOOP = [
+    {"role": "system", "content": "You are a coding agent. Use run_shell."},
+    {"role": "user", "content": "How many lines does notes.txt have?"},
+]
+HELLO = [{"role": "user", "content": "[chat] hi"}]
+TOKENS = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True}
+STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+CHAT = "/v1/chat/completions"
+CASES: dict[str, tuple[str, Any]] = {
+    "tool call": (CHAT, {"messages": LOOP, "tools": [RUN_SHELL], **TOKENS}),
+    "tool call, streamed": (CHAT, {"messages": LOOP, "tools": [RUN_SHELL], **TOKENS, **STREAM}),
+    "text": (CHAT, {"messages": HELLO, **TOKENS}),
+    "text, streamed": (CHAT, {"messages": HELLO, **TOKENS, **STREAM}),
+    "thinking off": (
+        CHAT,
+        {"messages": HELLO, **TOKENS, "chat_template_kwargs": {"enable_thinking": False}},
+    ),
+    "no token flags": (CHAT, {"messages": HELLO}),
+    "cap above the context": (CHAT, {"messages": LOOP, "max_tokens": 50_000}),
+    "prompt above the context": (
+        CHAT,
+        {"messages": [{"role": "user", "content": "lorem " * 50_000}]},
+    ),
+    "unknown model": (CHAT, {"model": "nope", "messages": LOOP}),
+    "messages not a list": (CHAT, {"messages": "not a list"}),
+    "not JSON": (CHAT, b"{not json"),
+}
+COMPLETIONS = {"max_tokens": 100, "logprobs": 0, "return_token_ids": True}
+
+
+def shape(value: Any) -> Any:
+    """Field names and value types, lists as the set of their elements' shapes."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return sorted({json.dumps(shape(v), sort_keys=True) for v in value})
+    return "null" if value is None else type(value).__name__
+
+
+def chunk_kind(chunk: dict) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return "usage"
+    delta = choices[0].get("delta", {})
+    kind = "+".join(sorted(k for k, v in delta.items() if v not in (None, "", []))) or "empty"
+    return kind + ("|finish" if choices[0].get("finish_reason") else "")
+
+
+def ask(url: str, path: str, body: Any) -> dict[str, Any]:
+    if isinstance(body, bytes):
+        r = httpx.post(
+            url + path, content=body, headers={"content-type": "application/json"}, timeout=120
+        )
+    else:
+        r = httpx.post(url + path, json={"model": SERVED_MODEL, **body}, timeout=120)
+    out: dict[str, Any] = {"status": r.status_code, "type": r.headers.get("content-type")}
+    if out["type"].startswith("text/event-stream"):
+        chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        out["kinds"] = [chunk_kind(c) for c in chunks]
+        # one shape per kind of chunk: the same kind must look the same on both servers
+        out["shapes"] = {k: shape(c) for k, c in zip(out["kinds"], chunks, strict=True)}
+        out["ids"] = (
+            next((c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")), None),
+            [i for c in chunks for ch in c.get("choices") or () for i in ch.get("token_ids") or ()],
+        )
+        out["done"] = r.text.rstrip().endswith("data: [DONE]")
+    else:
+        reply = r.json()
+        out["shape"] = shape(reply)
+        if r.status_code == 200:
+            choice = reply["choices"][0]
+            prompt = reply.get("prompt_token_ids") or choice.get("prompt_token_ids")
+            out["ids"] = (prompt, choice.get("token_ids"))
+        else:
+            out["error"] = {k: reply["error"][k] for k in ("type", "param", "code")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from ..procs import start_policy_server
+
+    server = start_policy_server(
+        tmp_path_factory.mktemp("reference"), SCENARIOS[0], ["--max-model-len", "40960"]
+    )
+    yield server
+    server.stop()
+
+
+def same(ref: dict, real: dict, case: str) -> None:
+    if "error" in ref and "error" in real and real["error"]["type"] == "Bad Request":
+        # pydantic's own validation errors (the request never reached vLLM's code): the
+        # reference answers in vLLM's words for its own checks; the shape is what counts
+        ref, real = (
+            {k: v for k, v in ref.items() if k != "error"},
+            {k: v for k, v in real.items() if k != "error"},
+        )
+    assert ref == real, f"{case}: the reference server differs from vLLM"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chat_shapes(vllm, reference, case):
+    path, body = CASES[case]
+    same(ask(reference.url, path, body), ask(vllm.url, path, body), case)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_token_in_shapes(vllm, reference, stream):
+    prompt = ask(vllm.url, CHAT, CASES["tool call"][1])["ids"][0]
+    body = {"prompt": prompt, **COMPLETIONS, **(STREAM if stream else {})}
+    same(
+        ask(reference.url, "/v1/completions", body),
+        ask(vllm.url, "/v1/completions", body),
+        "completions",
+    )
+    too_long = {"prompt": prompt * 300, **COMPLETIONS}
+    same(
+        ask(reference.url, "/v1/completions", too_long),
+        ask(vllm.url, "/v1/completions", too_long),
+        "completions, prompt above the context",
+    )
+
+
+def test_models_shape(vllm, reference):
+    ref, real = (httpx.get(u + "/v1/models", timeout=30).json() for u in (reference.url, vllm.url))
+    assert shape(ref) == shape(real)
+    assert ref["data"][0]["max_model_len"] == real["data"][0]["max_model_len"] == 40960
