@@ -20,7 +20,9 @@ import openai
 import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir
+from polar_mitm.cli.exact_drift import fill_drift
 from polar_mitm.store import read_table
+from polar_mitm.tokens.tokenizer import load_tokenizer
 
 from .clients import RUN_SHELL, openai_client
 from .procs import MITMDUMP, ROOT
@@ -170,6 +172,12 @@ def test_enforce_mode_removes_the_drift_chat_mode_has(make_policy_server, make_m
         chain = before["prompt_token_ids"] + before["output_token_ids"]
         assert call["prompt_token_ids"][: len(chain)] == chain  # the policy's own tokens
         assert note["chain_tokens"] == len(chain)
+        assert "drift_tokens" not in note  # chat mode's prompt is never rendered in the proxy
+    # what chat mode would have sent, rendered from the stored requests (`polar-mitm fidelity`)
+    assert fill_drift(calls, load_tokenizer(tok)) == 3
+    notes = [json.loads(c["fidelity_json"])["exact_prefix"] for c in calls]
+    for before, note in zip(calls[:-1], notes[1:], strict=True):
+        chain = before["prompt_token_ids"] + before["output_token_ids"]
         # the drifting harness: chat mode would have sent other tokens from some point on
         assert note["drift_tokens"] > 0 and note["first_diff"] < len(chain)
     [trace] = traces
@@ -208,6 +216,7 @@ def test_a_clean_conversation_gets_the_chat_prompt_ids(make_policy_server, make_
         truth = direct_ids(server.url, "vllm", messages, [RUN_SHELL])
         assert call["prompt_token_ids"] == truth.prompt_ids
         assert call["output_token_ids"] == truth.output_ids
+    assert fill_drift(calls, load_tokenizer(str(qwen3_tokenizer_dir()))) == 2
     for call in calls[1:]:
         assert json.loads(call["fidelity_json"])["exact_prefix"]["drift_tokens"] == 0
     assert len(traces) == 1

@@ -71,7 +71,3 @@ class ExactPrefixAddon:
     def rollout_written(self, rollout_id: str) -> None:
         if self.book is not None:
             self.book.forget(rollout_id)
-
-    async def drain(self) -> None:
-        if self.book is not None:
-            await self.book.drain()

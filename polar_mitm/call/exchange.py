@@ -534,10 +534,6 @@ class Call:
             # Not held for: the record needs the retokenizer first, the harness does not.
             assert self.settings.retokenizer is not None
             self.settings.retokenizer.submit(job, lambda: deliver(record, self.sinks))
-        elif exact is not None and lookup is not None and lookup.plan is not None:
-            # Not held for either: what chat mode would have sent is rendered off the loop.
-            note = lookup.note()
-            exact.submit(record, self.req.chat, note, lambda: deliver(record, self.sinks))
         else:
             self._receipts = deliver(record, self.sinks)
         if self.on_done is not None:
@@ -550,8 +546,7 @@ class Call:
         echo = self.tally.prompt_ids
         if plan is not None and echo is not None and list(echo) != plan.prompt_ids:
             record.flag("prompt_echo_mismatch")  # the server did not take our ids verbatim
-        if plan is None:
-            put_note(record, lookup.note())
+        put_note(record, lookup.note())
         if record.status == "completed" and record.ids_source == "upstream":
             exact.remember(
                 record.rollout_id,

@@ -260,6 +260,47 @@ def _example_table(ex: Example) -> Table:
     return table
 
 
+def _exact_drift(directory: str, calls: Any, rows: list[dict[str, Any]], spec: str | None) -> str:
+    """Exact-prefix mode's drift for the token-in calls whose records lack it, computed here
+    (`exact_drift`); a note when it cannot be (no tokenizer)."""
+    from . import exact_drift
+
+    if "route" not in calls.column_names:
+        return ""
+    routes = calls.column("route").to_pylist()
+    todo = [i for i, route in enumerate(routes) if route == "token_in"]
+    if not todo:
+        return ""
+    have = [c for c in exact_drift.COLUMNS if c in calls.column_names]
+    extra = calls.take(todo).select(have).to_pylist()
+    for i, more in zip(todo, extra, strict=True):
+        rows[i].update(more)
+    if not any(exact_drift.needs_drift(rows[i]) for i in todo):
+        return ""
+    tok, where = _drift_tokenizer(directory, spec)
+    if tok is None:
+        return (
+            "The drift of the token-in calls is not known: no tokenizer to render what chat mode "
+            f"would have sent ({where}; --tokenizer)."
+        )
+    exact_drift.fill_drift([rows[i] for i in todo], tok)
+    return ""
+
+
+def _drift_tokenizer(directory: str, spec: str | None) -> tuple[Any, str]:
+    from .. import tokenizer_record
+    from ..tokens.tokenizer import TokenizerError, load_tokenizer
+
+    recorded = tokenizer_record.read(directory) if not spec else None
+    spec = spec or (recorded or {}).get("spec")
+    if not spec:
+        return None, "the proxy recorded none"
+    try:
+        return load_tokenizer(spec), spec
+    except TokenizerError as e:
+        return None, f"{spec} does not load here: {e}"
+
+
 def fail(message: str) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(1)
@@ -277,7 +318,18 @@ def fail(message: str) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--plain", is_flag=True, help="Tab-separated lines, one per dialect and harness.")
-def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> None:
+@click.option(
+    "--tokenizer",
+    "tokenizer_spec",
+    envvar="POLAR_TOKENIZER",
+    default=None,
+    help="Policy tokenizer for exact-prefix mode's drift (what chat mode would have sent): a "
+    "Hugging Face tokenizer dir (env POLAR_TOKENIZER). Default: the proxy's polar_tokenizer, "
+    "recorded with the shards.",
+)
+def fidelity(
+    directory: str, n_examples: int, as_json: bool, plain: bool, tokenizer_spec: str | None
+) -> None:
     """Token fidelity of the calls captured under DIRECTORY (polar_output): per dialect and
     harness, the calls checked and flagged, and the share of policy tokens a
     retokenize-the-text pipeline would have got wrong."""
@@ -305,6 +357,7 @@ def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> Non
     rows = calls.select(columns).to_pylist()
     if not rows:
         fail(f"no captured calls under {directory}")
+    drift_note = _exact_drift(directory, calls, rows, tokenizer_spec)
     groups, total, examples = fidelity_report(rows)
     if as_json:
         out = {
@@ -315,6 +368,8 @@ def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> Non
                 for e in examples[:n_examples]
             ],
         }
+        if drift_note:
+            out["total"]["exact_prefix"]["drift_note"] = drift_note
         click.echo(json.dumps(out, indent=2, default=str))
         return
     if plain:
@@ -344,5 +399,7 @@ def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> Non
             f"re-rendered prompt ({exact.drift_tokens_removed} tokens from the first difference "
             f"on). Sent the chat way: {reasons or 'none'}."
         )
+        if drift_note:
+            console.print(drift_note)
     for ex in examples[:n_examples]:
         console.print(_example_table(ex))

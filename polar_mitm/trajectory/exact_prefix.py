@@ -30,7 +30,7 @@ import json
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,7 +167,6 @@ class ExactPrefix:
     flavor: str = "vllm"  # how the server normalizes messages (`Upstream.template_flavor`)
     _rollouts: OrderedDict[str, list[Chain]] = field(default_factory=OrderedDict)
     _special_text: dict[int, str] = field(default_factory=dict)
-    _pending: set[asyncio.Task] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._special_text = {i: text for text, i in self.tokenizer.specials.items()}
@@ -322,69 +321,46 @@ class ExactPrefix:
     def chains(self, rollout_id: str) -> list[Chain]:
         return list(self._rollouts.get(rollout_id, ()))
 
-    # -- what chat mode would have sent (worker thread, before the record is stored) ------------
+    # -- what chat mode would have sent (offline: `polar-mitm fidelity`) ---------------------------
 
     def chat_prompt_ids(self, chat: dict[str, Any]) -> list[int]:
-        inp = render_input(chat, self.flavor)
-        tok = self.tokenizer
-        with tok.lock:
-            text = tok.render(
-                inp.messages, inp.tools, inp.kwargs, generation=inp.add_generation_prompt
-            )
-            return tok.encode(text)
+        return chat_prompt_ids(self.tokenizer, self.flavor, chat)
 
     def compare(self, record: CallRecord, chat: dict[str, Any], note: dict[str, Any]) -> None:
         """Put on the record what chat mode would have sent, against what was sent: the drift
         exact-prefix mode removed (`fidelity_json["exact_prefix"]`)."""
-        sent = record.prompt_token_ids or ()
         try:
             would = self.chat_prompt_ids(chat)
         except Exception as e:
             note["chat_prompt_error"] = f"{type(e).__name__}: {e}"
         else:
-            first = next(
-                (i for i, (a, b) in enumerate(zip(sent, would, strict=False)) if a != b), None
-            )
-            if first is None and len(sent) != len(would):
-                first = min(len(sent), len(would))
-            note["chat_prompt_tokens"] = len(would)
-            note["first_diff"] = first
-            # sampled and environment tokens from the first difference on: what a chat-mode
-            # prompt would have changed under the policy
-            note["drift_tokens"] = 0 if first is None else len(sent) - first
+            note.update(prompt_drift(record.prompt_token_ids or (), would))
         put_note(record, note)
 
-    def submit(
-        self,
-        record: CallRecord,
-        chat: dict[str, Any],
-        note: dict[str, Any],
-        done: Callable[[], None],
-    ) -> None:
-        """`compare` off the event loop, then `done` (the record's delivery), exactly once."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.compare(record, chat, note)
-            done()
-            return
 
-        async def run() -> None:
-            try:
-                await asyncio.to_thread(self.compare, record, chat, note)
-            except Exception as e:
-                note["chat_prompt_error"] = f"{type(e).__name__}: {e}"
-                put_note(record, note)
-            finally:
-                done()
+def chat_prompt_ids(tok: PolicyTokenizer, flavor: str, chat: dict[str, Any]) -> list[int]:
+    """The prompt ids chat mode would have had: the whole conversation rendered with the chat
+    template and tokenized. O(conversation), so never per call in the proxy: a long session's
+    last call is 80k tokens, a quarter of a second of tokenizing. `polar-mitm fidelity` runs it
+    on the stored token-in calls (`cli/exact_drift.py`)."""
+    inp = render_input(chat, flavor)
+    with tok.lock:
+        text = tok.render(inp.messages, inp.tools, inp.kwargs, generation=inp.add_generation_prompt)
+        return tok.encode(text)
 
-        task = loop.create_task(run())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
 
-    async def drain(self) -> None:
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+def prompt_drift(sent: Sequence[int], would: Sequence[int]) -> dict[str, Any]:
+    """How a token-in prompt differs from chat mode's: `first_diff` (None: identical) and
+    `drift_tokens`, the sampled and environment tokens from there on: what a chat-mode prompt
+    would have changed under the policy."""
+    first = next((i for i, (a, b) in enumerate(zip(sent, would, strict=False)) if a != b), None)
+    if first is None and len(sent) != len(would):
+        first = min(len(sent), len(would))
+    return {
+        "chat_prompt_tokens": len(would),
+        "first_diff": first,
+        "drift_tokens": 0 if first is None else len(sent) - first,
+    }
 
 
 def put_note(record: CallRecord, note: dict[str, Any]) -> None:
