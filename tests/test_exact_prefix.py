@@ -94,7 +94,7 @@ def test_a_tool_turn_continues_with_exactly_the_template_tokens(book_factory, ta
     assert lookup.plan is not None, lookup.reason
     assert lookup.plan.chain_tokens == len(prompt) + len(output)
     # no drift here: the whole prompt is what the template renders for the same messages
-    assert lookup.plan.prompt_ids == render(book, messages)
+    assert lookup.plan.prompt_ids.tolist() == render(book, messages)
     assert lookup.plan.sampling == {"max_tokens": 40960 - len(lookup.plan.prompt_ids)}
     assert lookup.plan.reasoning_open is None and lookup.plan.parse_tools
 
@@ -122,10 +122,11 @@ def test_a_drifting_harness_and_a_new_user_turn_keep_the_sampled_tokens(book_fac
     lookup = book.plan(book.chains("r.0"), chat, None)
     plan = lookup.plan
     assert plan is not None and plan.sampling == {"max_tokens": 64, "temperature": 0.7}
-    assert plan.prompt_ids[: len(prompt) + len(output)] == prompt + output
+    sent = plan.prompt_ids.tolist()
+    assert sent[: len(prompt) + len(output)] == prompt + output
     chat_ids = render(book, messages)
-    assert chat_ids != plan.prompt_ids  # chat mode re-renders the turn (reasoning, key order)
-    new = plan.prompt_ids[len(prompt) + len(output) :]
+    assert chat_ids != sent  # chat mode re-renders the turn (reasoning, key order)
+    new = sent[len(prompt) + len(output) :]
     assert chat_ids[-len(new) :] == new  # the new messages render the same either way
 
 

@@ -47,11 +47,13 @@ def _plan(parse_tools: bool = True) -> ExactPlan:
 
 def _reply(tok, kind: str = "vllm") -> TokenInReply:
     upstream = UPSTREAMS[kind]("http://127.0.0.1:9")
-    return TokenInReply(upstream, _plan(), family("qwen3"), tok.specials, TokenTally(), "m", False)
+    return TokenInReply(upstream, _plan(), family("qwen3"), tok, TokenTally(), "m", False)
 
 
 def _chunk(text: str, ids: list[int], finish: str | None) -> dict:
-    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+    """vLLM's token-in chunk: the sampled ids as `return_tokens_as_token_ids` names them."""
+    logprobs = {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [-0.5] * len(ids)}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [choice]}
 
 
@@ -147,3 +149,21 @@ def test_families_are_registered_and_unknown_names_are_refused():
     assert set(FAMILIES) == {"qwen3", "hermes"}
     with pytest.raises(ValueError, match="unknown output parser 'llama'"):
         family("llama")
+
+
+def test_a_token_in_reply_names_its_tokens_by_id(sampled):
+    """vLLM's token-in reply carries the sampled ids only as `return_tokens_as_token_ids`'s
+    "token_id:N" strings: the tally gets the ids, a harness that asked for logprobs gets each
+    token's own text, and a reply naming its tokens otherwise is refused (not read as ids)."""
+    ids, pieces, tok = sampled
+    upstream = UPSTREAMS["vllm"]("http://127.0.0.1:9")
+    reply = TokenInReply(upstream, _plan(), family("qwen3"), tok, TokenTally(), "m", True)
+    out = reply.reply(_chunk("".join(pieces), ids, "stop"))
+    assert reply.tally.output_ids == ids and reply.tally.logprobs == [-0.5] * len(ids)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == tok.token_strs(ids)
+    assert content[0]["token"] == "<think>" and content[-1]["token"] == "<|im_end|>"
+    named = _chunk("".join(pieces), ids, "stop")
+    named["choices"][0]["logprobs"]["tokens"] = list(pieces)
+    with pytest.raises(ValueError, match="is not 'token_id:N'"):
+        _reply(tok).reply(named)

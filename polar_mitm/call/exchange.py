@@ -186,16 +186,16 @@ class Call:
             assert exact is not None
             stream_upstream = self.req.stream and upstream.token_in_streams
             body = upstream.token_in_body(
-                plan.prompt_ids, plan.sampling, model=model, stream=stream_upstream
+                plan.prompt_ids.tolist(), plan.sampling, model=model, stream=stream_upstream
             )
             url = upstream.token_in_url
             self.record.route = "token_in"
-            self.tally.prompt_ids = plan.prompt_ids  # what was sent; the server's echo replaces it
+            self.tally.prompt_ids = plan.prompt_ids  # what was sent (the server echoes nothing)
             self.text_reply = TokenInReply(
                 upstream,
                 plan,
                 exact.family,
-                exact.tokenizer.specials,
+                exact.tokenizer,
                 self.tally,
                 model,
                 self.req.wants_logprobs,
@@ -543,9 +543,11 @@ class Call:
         """Exact-prefix mode: a completed call becomes its rollout's chain (before the harness
         has the end of the reply, so its next call finds it); the record says which path."""
         record, plan = self.record, lookup.plan
-        echo = self.tally.prompt_ids
-        if plan is not None and echo is not None and list(echo) != plan.prompt_ids:
-            record.flag("prompt_echo_mismatch")  # the server did not take our ids verbatim
+        counted = record.usage_prompt_tokens
+        if plan is not None and counted is not None and counted != len(plan.prompt_ids):
+            # the server ran another prompt than the ids sent (it prepended a BOS, or a proxy in
+            # between retokenized): it does not echo them, but it counts them
+            record.flag("prompt_echo_mismatch")
         put_note(record, lookup.note())
         if record.status == "completed" and record.ids_source == "upstream":
             exact.remember(
@@ -707,12 +709,14 @@ def _error_message(obj: Any) -> str | None:
     return None
 
 
-def _int32_array(ids: list[int] | None) -> array | list[int] | None:
+def _int32_array(ids: Sequence[int] | None) -> array | Sequence[int] | None:
     """Prompt ids as `array('i')`: the record's copy (`asdict`), the store's journal and the
     trajectory merge then move them at memcpy speed instead of one Python int at a time. Ids
     that do not fit stay a list, and the store rejects the row with a precise reason."""
     if ids is None:
         return None
+    if isinstance(ids, array) and ids.typecode == "i":  # the token-in path's own: never changed
+        return ids
     try:
         return array("i", ids)
     except (TypeError, OverflowError):

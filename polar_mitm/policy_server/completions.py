@@ -12,7 +12,8 @@ Wire shapes: vLLM's ``CompletionResponse`` / ``CompletionStreamResponse``
 (``vllm/entrypoints/openai/completion/protocol.py``: ``text``, ``logprobs`` with ``tokens`` /
 ``token_logprobs`` / ``text_offset`` / ``top_logprobs``, per-choice ``token_ids`` and
 ``prompt_token_ids`` with ``return_token_ids`` — in a stream the prompt ids on the first chunk only —
-and a ``null`` ``max_tokens`` meaning 16); SGLang's ``/generate`` reply ``{"text", "output_ids",
+``return_tokens_as_token_ids`` naming each token ``token_id:N``, and a ``null`` ``max_tokens``
+meaning 16); SGLang's ``/generate`` reply ``{"text", "output_ids",
 "meta_info"}`` with ``output_token_logprobs`` triples when ``return_logprob`` is set (non-streaming
 only here).
 """
@@ -148,18 +149,22 @@ def _prompt_ids(body: Any) -> list[int]:
     return prompt
 
 
-def _logprobs(sample: TokenInSample, a: int, b: int, offset: int, top: int) -> dict[str, Any]:
+def _logprobs(sample: TokenInSample, a: int, b: int, offset: int, as_ids: bool) -> dict[str, Any]:
+    """vLLM's `CompletionLogProbs` for tokens a..b (`_create_completion_logprobs`): each
+    position's top entry is the sampled token itself (`logprobs: 0` still gives it), with
+    `return_tokens_as_token_ids` every token is named ``token_id:N``, and the text offsets
+    advance by the length of each token's string, whichever it is."""
+    tokens = [f"token_id:{i}" for i in sample.ids[a:b]] if as_ids else sample.token_strs[a:b]
     offsets, at = [], offset
-    for piece in sample.pieces[a:b]:
+    for token in tokens:
         offsets.append(at)
-        at += len(piece)
-    tokens = sample.token_strs[a:b]
+        at += len(token)
     values = sample.logprobs[a:b]
     return {
         "text_offset": offsets,
         "token_logprobs": values,
         "tokens": tokens,
-        "top_logprobs": [{t: v} if top else None for t, v in zip(tokens, values, strict=True)],
+        "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=True)],
     }
 
 
@@ -172,13 +177,13 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
         "model": model,
     }
     with_ids = bool(body.get("return_token_ids"))
-    top = body.get("logprobs")
-    want_lp = top is not None
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    want_lp = body.get("logprobs") is not None
     if not body.get("stream"):
         choice = {
             "index": 0,
             "text": "".join(sample.pieces),
-            "logprobs": _logprobs(sample, 0, len(sample.ids), 0, top) if want_lp else None,
+            "logprobs": _logprobs(sample, 0, len(sample.ids), 0, as_ids) if want_lp else None,
             "finish_reason": sample.finish_reason,
             "stop_reason": None,
             "token_ids": sample.ids if with_ids else None,
@@ -192,18 +197,22 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
     offset = 0
     n = len(sample.ids)
     for i in range(n):
+        logprobs = _logprobs(sample, i, i + 1, offset, as_ids) if want_lp else None
         choice: dict[str, Any] = {
             "index": 0,
             "text": sample.pieces[i],
-            "logprobs": _logprobs(sample, i, i + 1, offset, top) if want_lp else None,
+            "logprobs": logprobs,
             "finish_reason": sample.finish_reason if i == n - 1 else None,
             "stop_reason": None,
+            # set on every chunk, so `model_dump_json(exclude_unset=True)` writes them, null
+            # unless return_token_ids asked (the prompt's ids on the first chunk only)
+            "prompt_token_ids": sample.prompt if with_ids and i == 0 else None,
+            "token_ids": [sample.ids[i]] if with_ids else None,
         }
-        if with_ids:
-            if i == 0:
-                choice["prompt_token_ids"] = sample.prompt
-            choice["token_ids"] = [sample.ids[i]]
-        offset += len(sample.pieces[i])
+        if logprobs is not None:  # vLLM advances by the tokens reported (their names' lengths)
+            offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        else:
+            offset += len(sample.pieces[i])
         events.append(b"data: " + _dumps({**head, "choices": [choice]}) + b"\n\n")
         tokens.append(1)
     options = body.get("stream_options")

@@ -125,7 +125,7 @@ class Chain:
 class ExactPlan:
     """A call that extends a chain: what to send to the token-in endpoint."""
 
-    prompt_ids: list[int]
+    prompt_ids: array  # int32: the chain's tokens, then the new messages
     chain_tokens: int  # how many of them are the chain's
     extends_call: str  # the chain's last call
     sampling: dict[str, Any]
@@ -220,7 +220,7 @@ class ExactPrefix:
         except NotContinuation:
             found.reason = "template_not_continuation"
             return found
-        prompt = best.tokens.tolist() + new
+        prompt = best.tokens + array("i", new)  # two memcpys: a long chain is 100k ids
         cap = chat.get("max_completion_tokens") or chat.get("max_tokens")
         if max_model_len is not None:
             room = max_model_len - len(prompt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -20,7 +21,7 @@ log = logging.getLogger("polar_mitm")
 class TokenTally:
     """What the server told us about tokens for one call."""
 
-    prompt_ids: list[int] | None = None
+    prompt_ids: Sequence[int] | None = None  # a list from a reply, int32 array when sent
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
