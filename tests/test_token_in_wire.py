@@ -73,3 +73,26 @@ def test_reference_completions_answer_as_vllm_does():
     whole_tally = TokenTally()
     vllm.take_text(whole_reply, whole_tally)
     assert whole_tally.output_ids == echo_ids and whole_tally.logprobs == tally.logprobs
+
+
+def test_the_reference_server_decodes_only_what_a_prompt_adds():
+    """`Renderer.decode_prompt` reuses the text of an earlier prompt up to its last special
+    token; whatever the split, the text is the whole prompt decoded at once (here with
+    multi-byte characters cut between ids in the new part)."""
+    renderer = Renderer(qwen3_tokenizer_dir())
+    system = "You are an agent. 日本語のテキスト ✓ " * 60  # longer than the 256 ids it is known by
+    messages = [{"role": "system", "content": system}]
+    prompts = []
+    for turn in range(4):
+        messages += [
+            {"role": "user", "content": f"turn {turn}: 🙂 naïve café 漢字 " * (turn + 1)},
+            {"role": "assistant", "content": f"reply {turn} ✓"},
+        ]
+        prompts.append(list(renderer.prompt(render_input({"messages": messages})).ids))
+    emoji = renderer.encode_text("🙂🙂", add_special_tokens=False)
+    prompts.append(prompts[-1] + emoji[:1])  # ends inside a character
+    for prompt in prompts:
+        assert renderer.decode_prompt(prompt) == renderer.decode(prompt)
+    [entries] = renderer._texts.values()  # one conversation, its longest prompt first
+    assert [n for n, _, _ in entries] == sorted((n for n, _, _ in entries), reverse=True)
+    assert len(prompts[-3]) < entries[0][0] < len(prompts[-2])

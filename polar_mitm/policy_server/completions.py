@@ -103,10 +103,10 @@ class TokenInSample:
         if not prompt:
             raise RequestError("the prompt must not be empty", param="prompt")
         vocab = len(renderer.tokenizer)
-        if any(not isinstance(i, int) or i < 0 or i >= vocab for i in prompt):
+        if set(map(type, prompt)) != {int} or min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         limit = token_limit(len(prompt), max_tokens, server.max_model_len, server.limits)
-        text = renderer.decode(prompt)
+        text = renderer.decode_prompt(prompt)
         system, first_user, names, turns = read_chatml(text)
         try:
             script, turn = server.scenario.turn(system, first_user, names, turns)
@@ -141,7 +141,7 @@ def _turn_fields(turn: Turn) -> dict[str, Any]:
 
 def _prompt_ids(body: Any) -> list[int]:
     prompt = body.get("prompt") if isinstance(body, dict) else None
-    if not isinstance(prompt, list) or not all(type(i) is int for i in prompt):
+    if not isinstance(prompt, list) or (prompt and set(map(type, prompt)) != {int}):
         raise RequestError(
             "the reference server's /v1/completions takes 'prompt' as a list of token ids",
             param="prompt",
