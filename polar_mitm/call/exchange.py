@@ -668,8 +668,9 @@ def _without_reasoning(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json_value(data: str, what: str) -> Any:
-    """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused."""
-    value = fastjson.loads(data)
+    """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused.
+    A top-level ``prompt_token_ids`` (vLLM's) comes back as the int32 array the record keeps."""
+    value = fastjson.loads_ids(data)
     if "\\ud" in data or "\\uD" in data:  # rare: only then look at the strings
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
