@@ -45,21 +45,28 @@ def request(flow: http.HTTPFlow) -> None:
 
 class _ReadIds:
     """A `flow.response.stream` callable: splits the SSE stream into events, decodes each one
-    and keeps its token ids; passes every byte through as it came."""
+    and keeps its token ids; passes every byte through as it came. Linear in the stream: a
+    long call's first event (the prompt's ids, hundreds of KB) arrives in many reads, and each
+    read searches only the bytes not searched before."""
 
     def __init__(self) -> None:
-        self.buffer = b""
+        self.buffer = bytearray()
+        self.scan = 0
         self.ids: list[int] = []
 
     def __call__(self, data: bytes) -> bytes:
-        events = (self.buffer + data).split(b"\n\n")
-        self.buffer = events.pop()
-        for event in events:
-            for line in event.split(b"\n"):
+        buf = self.buffer
+        buf += data
+        start, end = 0, buf.find(b"\n\n", self.scan)
+        while end >= 0:
+            for line in bytes(buf[start:end]).split(b"\n"):
                 if line.startswith(b"data: ") and line != b"data: [DONE]":
                     chunk = _DECODE(line[6:])
                     for choice in chunk.get("choices") or ():
                         self.ids.extend(choice.get("token_ids") or ())
+            start, end = end + 2, buf.find(b"\n\n", end + 2)
+        del buf[:start]
+        self.scan = max(len(buf) - 1, 0)
         return data
 
 
