@@ -9,9 +9,10 @@ case — `\\n` line endings, one `data:` line per event — avoids per-line work
 from __future__ import annotations
 
 import codecs
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from .. import fastjson
 
 
 @dataclass(slots=True)
@@ -110,11 +111,7 @@ def encode_json(obj: Any, event: str | None = None) -> bytes:
     return encode(dumps(obj), event)
 
 
-# One encoder for every chunk: json.dumps with arguments builds a new JSONEncoder per call, a third
-# of the time of encoding a stream chunk.
-_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-
-
 def dumps(obj: Any) -> str:
-    """Compact JSON, non-ASCII kept as is (what the servers and SDKs send)."""
-    return _COMPACT.encode(obj)
+    """Compact JSON, non-ASCII kept as is (what the servers and SDKs send): msgspec, a third of
+    the stdlib encoder's time for a stream chunk (`fastjson`)."""
+    return fastjson.dumps(obj)
