@@ -97,7 +97,14 @@ def dumps_bytes(obj: Any) -> bytes:
     try:
         return _ENCODER.encode(obj)
     except (TypeError, UnicodeEncodeError, RecursionError, msgspec.MsgspecError):
-        return json.dumps(obj, separators=(",", ":")).encode()  # ASCII: lone surrogates escaped
+        # ASCII: lone surrogates escaped; a `msgspec.Raw` (JSON text kept as is) read back
+        return json.dumps(obj, separators=(",", ":"), default=_raw_value).encode()
+
+
+def _raw_value(obj: Any) -> Any:
+    if isinstance(obj, msgspec.Raw):
+        return json.loads(bytes(obj))
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 def dumps(obj: Any) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 
 import pytest
 
@@ -42,7 +43,9 @@ def sampled():
 
 
 def _plan(parse_tools: bool = True) -> ExactPlan:
-    return ExactPlan([1, 2, 3], 0, "c", {"max_tokens": 100}, parse_tools, True, None)
+    return ExactPlan(
+        array("i", [1, 2, 3]), b"[1,2,3]", 0, "c", {"max_tokens": 100}, parse_tools, True, None
+    )
 
 
 def _reply(tok, kind: str = "vllm") -> TokenInReply:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import msgspec
 
 from .. import fastjson
 from ..dialects import Dialect, HarnessRequest, StreamTranslator
@@ -186,7 +187,7 @@ class Call:
             assert exact is not None
             stream_upstream = self.req.stream and upstream.token_in_streams
             body = upstream.token_in_body(
-                plan.prompt_ids.tolist(), plan.sampling, model=model, stream=stream_upstream
+                msgspec.Raw(plan.prompt_json), plan.sampling, model=model, stream=stream_upstream
             )
             url = upstream.token_in_url
             self.record.route = "token_in"

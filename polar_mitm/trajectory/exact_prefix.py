@@ -38,6 +38,7 @@ from ..call.record import CallRecord
 from ..output_parsers import Family
 from ..tokens.conversation import RenderInput, RequestError, history_message, render_input
 from ..tokens.tokenizer import PolicyTokenizer
+from .ids_json import IdsJson, ids_text, joined
 
 log = logging.getLogger("polar_mitm")
 
@@ -141,6 +142,7 @@ class ExactPlan:
     """A call that extends a chain: what to send to the token-in endpoint."""
 
     prompt_ids: array  # int32: the chain's tokens, then the new messages
+    prompt_json: bytes  # the same as a JSON list, the request's text (`ids_json`)
     chain_tokens: int  # how many of them are the chain's
     extends_call: str  # the chain's last call
     sampling: dict[str, Any]
@@ -182,6 +184,7 @@ class ExactPrefix:
     flavor: str = "vllm"  # how the server normalizes messages (`Upstream.template_flavor`)
     _rollouts: OrderedDict[str, list[Chain]] = field(default_factory=OrderedDict)
     _special_text: dict[int, str] = field(default_factory=dict)
+    texts: IdsJson = field(default_factory=IdsJson)  # chains' ids as JSON text (a cache)
 
     def __post_init__(self) -> None:
         self._special_text = {i: text for text, i in self.tokenizer.specials.items()}
@@ -236,6 +239,7 @@ class ExactPrefix:
             found.reason = "template_not_continuation"
             return found
         prompt = best.tokens + array("i", new)  # two memcpys: a long chain is 100k ids
+        prompt_json = joined(self.texts.of(best.last_call_id, best.tokens), ids_text(new))
         cap = chat.get("max_completion_tokens") or chat.get("max_tokens")
         if max_model_len is not None:
             room = max_model_len - len(prompt)
@@ -250,6 +254,7 @@ class ExactPrefix:
         sampling["max_tokens"] = cap
         found.plan = ExactPlan(
             prompt_ids=prompt,
+            prompt_json=prompt_json,
             chain_tokens=len(best.tokens),
             extends_call=best.last_call_id,
             sampling=sampling,
@@ -314,24 +319,30 @@ class ExactPrefix:
             last_assistant=assistant,
             last_call_id=call_id,
         )
+        if lookup.plan is not None and len(prompt_ids) == len(lookup.plan.prompt_ids):
+            # what the next call sends: this one's prompt text as sent, then its output
+            self.texts.put(
+                call_id, joined(lookup.plan.prompt_json[1:-1], ids_text(output_ids))[1:-1]
+            )
         chains = self._rollouts.pop(rollout_id, None) or []
         n = len(lookup.keys)
-        chains = [
-            c
-            for c in chains
-            if not (
+        kept, replaced = [], []
+        for c in chains:
+            extended = (
                 c.context == chain.context
                 and c.keys == chain.keys[: len(c.keys)]
                 and len(c.keys) <= n
             )
-        ]
-        chains.append(chain)
-        self._rollouts[rollout_id] = chains[-MAX_CHAINS:]
+            (replaced if extended else kept).append(c)
+        kept.append(chain)
+        replaced += kept[:-MAX_CHAINS]
+        self._rollouts[rollout_id] = kept[-MAX_CHAINS:]
         while len(self._rollouts) > MAX_ROLLOUTS:
-            self._rollouts.popitem(last=False)
+            replaced += self._rollouts.popitem(last=False)[1]
+        self.texts.drop(c.last_call_id for c in replaced)
 
     def forget(self, rollout_id: str) -> None:
-        self._rollouts.pop(rollout_id, None)
+        self.texts.drop(c.last_call_id for c in self._rollouts.pop(rollout_id, ()))
 
     def chains(self, rollout_id: str) -> list[Chain]:
         return list(self._rollouts.get(rollout_id, ()))

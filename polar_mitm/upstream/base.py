@@ -99,10 +99,12 @@ class Upstream(ABC):
         return self.base_url + (self.token_in_path or "")
 
     def token_in_body(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+        self, prompt_ids: Any, sampling: dict[str, Any], *, model: str | None, stream: bool
     ) -> dict[str, Any]:
-        """The token-in request: `prompt_ids` verbatim, the chat request's sampling parameters
-        (`exact_prefix.sampling`: OpenAI names, `max_tokens` always set) in this server's form."""
+        """The token-in request: `prompt_ids` verbatim (a list of ids, or their JSON list as a
+        `msgspec.Raw`: the proxy keeps a long chain's text), the chat request's sampling
+        parameters (`exact_prefix.sampling`: OpenAI names, `max_tokens` always set) in this
+        server's form."""
         raise NotImplementedError(f"{self.kind} has no token-in endpoint")
 
     def token_in_unsupported(self, sampling: dict[str, Any]) -> str | None:

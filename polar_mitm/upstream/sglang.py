@@ -249,7 +249,7 @@ class SGLang(Upstream):
         return None
 
     def token_in_body(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+        self, prompt_ids: Any, sampling: dict[str, Any], *, model: str | None, stream: bool
     ) -> dict[str, Any]:
         params = {_SAMPLING_NAMES.get(k, k): v for k, v in sampling.items()}
         unknown = sorted(set(params) - _SGLANG_SAMPLING)

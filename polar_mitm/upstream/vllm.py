@@ -73,7 +73,7 @@ class VLLM(Upstream):
             tally.finish_reason = finish
 
     def token_in_body(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+        self, prompt_ids: Any, sampling: dict[str, Any], *, model: str | None, stream: bool
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": prompt_ids, **sampling}
         if model:
