@@ -41,6 +41,8 @@ class ExactPrefixAddon:
     def configure(self, updated: set[str]) -> None:
         if not {"polar_exact_prefix", "polar_output_parser", "polar_tokenizer"} & updated:
             return
+        if self.book is not None:
+            self.book.close()
         self.book = None
         opts = ctx.options
         try:
@@ -67,6 +69,10 @@ class ExactPrefixAddon:
                 self.book.tokenizer.spec,
                 self.book.family.name,
             )
+
+    def done(self) -> None:
+        if self.book is not None:
+            self.book.close()
 
     def rollout_written(self, rollout_id: str) -> None:
         if self.book is not None:

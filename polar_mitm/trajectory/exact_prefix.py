@@ -25,6 +25,7 @@ and, when a call completes, appends or replaces one chain (`remember`): microsec
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -185,6 +186,10 @@ class ExactPrefix:
     _rollouts: OrderedDict[str, list[Chain]] = field(default_factory=OrderedDict)
     _special_text: dict[int, str] = field(default_factory=dict)
     texts: IdsJson = field(default_factory=IdsJson)  # chains' ids as JSON text (a cache)
+    # One thread of its own: a plan renders and tokenizes under the tokenizer's lock anyway, and
+    # the default executor's threads (each with a malloc arena holding its freed request copies)
+    # cost memory for no parallelism.
+    _worker: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
         self._special_text = {i: text for text, i in self.tokenizer.specials.items()}
@@ -195,8 +200,11 @@ class ExactPrefix:
         self, rollout_id: str, chat: dict[str, Any], max_model_len: int | None
     ) -> Lookup:
         chains = tuple(self._rollouts.get(rollout_id, ()))  # a snapshot: chains are immutable
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, "polar-exact")
         try:
-            return await asyncio.to_thread(self.plan, chains, chat, max_model_len)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._worker, self.plan, chains, chat, max_model_len)
         except Exception as e:  # a bug here must not fail the call: it goes the chat way
             log.exception("polar-mitm: exact-prefix lookup failed")
             return Lookup(reason=f"lookup_failed: {type(e).__name__}: {e}")
@@ -340,6 +348,11 @@ class ExactPrefix:
         while len(self._rollouts) > MAX_ROLLOUTS:
             replaced += self._rollouts.popitem(last=False)[1]
         self.texts.drop(c.last_call_id for c in replaced)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
     def forget(self, rollout_id: str) -> None:
         self.texts.drop(c.last_call_id for c in self._rollouts.pop(rollout_id, ()))
