@@ -50,7 +50,15 @@ def _plan(parse_tools: bool = True) -> ExactPlan:
 
 def _reply(tok, kind: str = "vllm") -> TokenInReply:
     upstream = UPSTREAMS[kind]("http://127.0.0.1:9")
-    return TokenInReply(upstream, _plan(), family("qwen3"), tok, TokenTally(), "m", False)
+    return TokenInReply(
+        upstream,
+        _plan(),
+        family=family("qwen3"),
+        tokenizer=tok,
+        tally=TokenTally(),
+        model="m",
+        wants_logprobs=False,
+    )
 
 
 def _chunk(text: str, ids: list[int], finish: str | None) -> dict:
@@ -160,7 +168,15 @@ def test_a_token_in_reply_names_its_tokens_by_id(sampled):
     token's own text, and a reply naming its tokens otherwise is refused (not read as ids)."""
     ids, pieces, tok = sampled
     upstream = UPSTREAMS["vllm"]("http://127.0.0.1:9")
-    reply = TokenInReply(upstream, _plan(), family("qwen3"), tok, TokenTally(), "m", True)
+    reply = TokenInReply(
+        upstream,
+        _plan(),
+        family=family("qwen3"),
+        tokenizer=tok,
+        tally=TokenTally(),
+        model="m",
+        wants_logprobs=True,
+    )
     out = reply.reply(_chunk("".join(pieces), ids, "stop"))
     assert reply.tally.output_ids == ids and reply.tally.logprobs == [-0.5] * len(ids)
     content = out["choices"][0]["logprobs"]["content"]

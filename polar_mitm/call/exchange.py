@@ -195,11 +195,11 @@ class Call:
             self.text_reply = TokenInReply(
                 upstream,
                 plan,
-                exact.family,
-                exact.tokenizer,
-                self.tally,
-                model,
-                self.req.wants_logprobs,
+                family=exact.family,
+                tokenizer=exact.tokenizer,
+                tally=self.tally,
+                model=model,
+                wants_logprobs=self.req.wants_logprobs,
             )
         else:
             stream_upstream = self.req.stream and upstream.streams_with_tokens
