@@ -672,7 +672,8 @@ def _json_value(data: str, what: str) -> Any:
     """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused.
     A top-level ``prompt_token_ids`` (vLLM's) comes back as the int32 array the record keeps."""
     value = fastjson.loads_ids(data)
-    if "\\ud" in data or "\\uD" in data:  # rare: only then look at the strings
+    # rare: only then look at the strings (no backslash at all, e.g. an id list: one memchr)
+    if "\\" in data and ("\\ud" in data or "\\uD" in data):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
