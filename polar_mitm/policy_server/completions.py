@@ -73,11 +73,16 @@ def _dumps(obj: Any) -> bytes:
 def read_chatml(text: str) -> tuple[str, str, list[str], int]:
     """(system text, first user text, tool names, assistant turns before the generation prompt)
     of a rendered Qwen3 prompt."""
-    blocks = _BLOCK.findall(text)
-    system = next((body for role, body in blocks if role == "system"), "")
-    first_user = next(
-        (b for r, b in blocks if r == "user" and not b.startswith("<tool_response>")), ""
-    )
+    system = first_user = None
+    for block in _BLOCK.finditer(text):  # as far as both are found: not the whole
+        role, body = block.group(1), block.group(2)  # conversation a long prompt re-sends
+        if role == "system" and system is None:
+            system = body
+        elif role == "user" and first_user is None and not body.startswith("<tool_response>"):
+            first_user = body
+        if system is not None and first_user is not None:
+            break
+    system, first_user = system or "", first_user or ""
     names = []
     tools = _TOOLS.search(system)
     for line in tools.group(1).splitlines() if tools else ():
@@ -98,12 +103,16 @@ def read_chatml(text: str) -> tuple[str, str, list[str], int]:
 class TokenInSample:
     """A scripted turn sampled after a prompt given as ids."""
 
-    def __init__(self, server: TokenInHost, prompt: list[int], max_tokens: int | None):
+    def __init__(
+        self, server: TokenInHost, prompt: list[int], max_tokens: int | None, *, ints: bool = False
+    ):
+        """``ints``: every id is known to be an ``int`` already (`_prompt_ids` looked)."""
         renderer = server.renderer
         if not prompt:
             raise RequestError("the prompt must not be empty", param="prompt")
         vocab = len(renderer.tokenizer)
-        if set(map(type, prompt)) != {int} or min(prompt) < 0 or max(prompt) >= vocab:
+        ints = ints or set(map(type, prompt)) == {int}
+        if not ints or min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         limit = token_limit(len(prompt), max_tokens, server.max_model_len, server.limits)
         text = renderer.decode_prompt(prompt)
@@ -284,7 +293,7 @@ def add_routes(app: web.Application, server: TokenInHost) -> None:
         max_tokens = _DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         try:
             prompt = _prompt_ids(body)
-            sample = await asyncio.to_thread(TokenInSample, server, prompt, max_tokens)
+            sample = await asyncio.to_thread(TokenInSample, server, prompt, max_tokens, ints=True)
         except RequestError as e:
             raise server._bad_request(e) from None
         plan = completion_plan(body, sample, server.served_model)
