@@ -254,6 +254,14 @@ def conversation_tokens(folder: Path, prefix: str = "long-") -> int:
     return sum(best.values())
 
 
+def token_in_calls(folder: Path) -> int:
+    """The calls of the long sessions sent to the token-in endpoint (exact-prefix mode)."""
+    from polar_mitm.store import read_table
+
+    calls = read_table(folder, "calls").select(["rollout_id", "route"]).to_pylist()
+    return sum(c["route"] == "token_in" for c in calls if c["rollout_id"].startswith("long-"))
+
+
 def storage(folder: Path) -> dict[str, Any]:
     """What the stored data holds: traces per rollout (1: the merge saw one conversation) and
     the compressed bytes of each calls column (where the disk goes)."""
@@ -453,6 +461,7 @@ def measure_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             col["tokens"] = tokens
             col["bytes_per_token"] = col["disk_bytes"] / tokens if tokens else float("nan")
             col.update(storage(data[column]))
+            col["token_in_calls"] = token_in_calls(data[column])
         out["columns"][column] = col
     return out
 

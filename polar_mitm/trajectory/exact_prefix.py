@@ -18,8 +18,8 @@ the model family's output parser (`call/token_in.py`). A call that extends no ch
 side call, a compaction, a request the token-in endpoint cannot serve — goes the chat way, and the
 record says why (`fidelity_json["exact_prefix"]`).
 
-Matching and rendering run in a worker thread; the event loop only snapshots a rollout's chains
-and, when a call completes, appends or replaces one chain (`remember`): microseconds.
+Matching and rendering run in a worker thread of their own; the event loop only snapshots a
+rollout's chains and, when a call completes, appends or replaces one chain (`remember`).
 """
 
 from __future__ import annotations
