@@ -174,7 +174,8 @@ def main() -> int:
             loop.run_until_complete(bench.drive("p", bench.URL, via, ctx, 4, 2, None))
             sampler = subprocess.Popen(
                 [spy, "record", "-p", str(proxy.proc.pid), "-f", "raw", "-o", str(raw)]
-                + ["-r", "200", "-d", str(int(args.seconds))],
+                + ["-r", "200", "-d", str(int(args.seconds))]
+                + (["--gil"] if args.gil else []),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
