@@ -48,7 +48,7 @@ def _plan(parse_tools: bool = True) -> ExactPlan:
     )
 
 
-def _reply(tok, kind: str = "vllm") -> TokenInReply:
+def _reply(tok, kind: str = "vllm", wants_logprobs: bool = False) -> TokenInReply:
     upstream = UPSTREAMS[kind]("http://127.0.0.1:9")
     return TokenInReply(
         upstream,
@@ -57,7 +57,7 @@ def _reply(tok, kind: str = "vllm") -> TokenInReply:
         tokenizer=tok,
         tally=TokenTally(),
         model="m",
-        wants_logprobs=False,
+        wants_logprobs=wants_logprobs,
     )
 
 
@@ -167,16 +167,7 @@ def test_a_token_in_reply_names_its_tokens_by_id(sampled):
     "token_id:N" strings: the tally gets the ids, a harness that asked for logprobs gets each
     token's own text, and a reply naming its tokens otherwise is refused (not read as ids)."""
     ids, pieces, tok = sampled
-    upstream = UPSTREAMS["vllm"]("http://127.0.0.1:9")
-    reply = TokenInReply(
-        upstream,
-        _plan(),
-        family=family("qwen3"),
-        tokenizer=tok,
-        tally=TokenTally(),
-        model="m",
-        wants_logprobs=True,
-    )
+    reply = _reply(tok, wants_logprobs=True)
     out = reply.reply(_chunk("".join(pieces), ids, "stop"))
     assert reply.tally.output_ids == ids and reply.tally.logprobs == [-0.5] * len(ids)
     content = out["choices"][0]["logprobs"]["content"]

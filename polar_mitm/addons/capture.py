@@ -250,6 +250,8 @@ class CaptureAddon:
             call.abort("the proxy shut down mid-call", status="incomplete")
         if self.retokenize is not None:
             await self.retokenize.drain()
+        if self.exact is not None:
+            await self.exact.drain()
         await self.gateway.stop()
 
     # -- hooks --------------------------------------------------------------------------

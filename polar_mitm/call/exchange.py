@@ -535,6 +535,10 @@ class Call:
             # Not held for: the record needs the retokenizer first, the harness does not.
             assert self.settings.retokenizer is not None
             self.settings.retokenizer.submit(job, lambda: deliver(record, self.sinks))
+        elif exact is not None and exact.compare_calls and lookup is not None and lookup.plan:
+            # polar_exact_compare (not held for): what chat mode would have sent, off the loop
+            note = lookup.note()
+            exact.submit(record, self.req.chat, note, lambda: deliver(record, self.sinks))
         else:
             self._receipts = deliver(record, self.sinks)
         if self.on_done is not None:

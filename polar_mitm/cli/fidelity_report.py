@@ -61,6 +61,7 @@ class ExactPrefixFigures:
     tokens, and the drift chat mode would have had in their prompts."""
 
     token_in_calls: int = 0
+    compared: int = 0  # token-in calls whose record says what chat mode would have sent
     chat_calls: int = 0
     chat_reasons: dict[str, int] = field(default_factory=dict)
     calls_drift_removed: int = 0
@@ -70,6 +71,7 @@ class ExactPrefixFigures:
         if note.get("path") == "token_in":
             self.token_in_calls += 1
             drift = note.get("drift_tokens")
+            self.compared += isinstance(drift, int)
             if isinstance(drift, int) and drift > 0:
                 self.calls_drift_removed += 1
                 self.drift_tokens_removed += drift
@@ -80,6 +82,7 @@ class ExactPrefixFigures:
 
     def merge(self, other: ExactPrefixFigures) -> None:
         self.token_in_calls += other.token_in_calls
+        self.compared += other.compared
         self.chat_calls += other.chat_calls
         self.calls_drift_removed += other.calls_drift_removed
         self.drift_tokens_removed += other.drift_tokens_removed
@@ -89,6 +92,7 @@ class ExactPrefixFigures:
     def as_dict(self) -> dict[str, Any]:
         return {
             "token_in_calls": self.token_in_calls,
+            "compared": self.compared,
             "chat_calls": self.chat_calls,
             "chat_reasons": dict(self.chat_reasons),
             "calls_drift_removed": self.calls_drift_removed,
@@ -260,47 +264,6 @@ def _example_table(ex: Example) -> Table:
     return table
 
 
-def _exact_drift(directory: str, calls: Any, rows: list[dict[str, Any]], spec: str | None) -> str:
-    """Exact-prefix mode's drift for the token-in calls whose records lack it, computed here
-    (`exact_drift`); a note when it cannot be (no tokenizer)."""
-    from . import exact_drift
-
-    if "route" not in calls.column_names:
-        return ""
-    routes = calls.column("route").to_pylist()
-    todo = [i for i, route in enumerate(routes) if route == "token_in"]
-    if not todo:
-        return ""
-    have = [c for c in exact_drift.COLUMNS if c in calls.column_names]
-    extra = calls.take(todo).select(have).to_pylist()
-    for i, more in zip(todo, extra, strict=True):
-        rows[i].update(more)
-    if not any(exact_drift.needs_drift(rows[i]) for i in todo):
-        return ""
-    tok, where = _drift_tokenizer(directory, spec)
-    if tok is None:
-        return (
-            "The drift of the token-in calls is not known: no tokenizer to render what chat mode "
-            f"would have sent ({where}; --tokenizer)."
-        )
-    exact_drift.fill_drift([rows[i] for i in todo], tok)
-    return ""
-
-
-def _drift_tokenizer(directory: str, spec: str | None) -> tuple[Any, str]:
-    from .. import tokenizer_record
-    from ..tokens.tokenizer import TokenizerError, load_tokenizer
-
-    recorded = tokenizer_record.read(directory) if not spec else None
-    spec = spec or (recorded or {}).get("spec")
-    if not spec:
-        return None, "the proxy recorded none"
-    try:
-        return load_tokenizer(spec), spec
-    except TokenizerError as e:
-        return None, f"{spec} does not load here: {e}"
-
-
 def fail(message: str) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(1)
@@ -318,18 +281,7 @@ def fail(message: str) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--plain", is_flag=True, help="Tab-separated lines, one per dialect and harness.")
-@click.option(
-    "--tokenizer",
-    "tokenizer_spec",
-    envvar="POLAR_TOKENIZER",
-    default=None,
-    help="Policy tokenizer for exact-prefix mode's drift (what chat mode would have sent): a "
-    "Hugging Face tokenizer dir (env POLAR_TOKENIZER). Default: the proxy's polar_tokenizer, "
-    "recorded with the shards.",
-)
-def fidelity(
-    directory: str, n_examples: int, as_json: bool, plain: bool, tokenizer_spec: str | None
-) -> None:
+def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> None:
     """Token fidelity of the calls captured under DIRECTORY (polar_output): per dialect and
     harness, the calls checked and flagged, and the share of policy tokens a
     retokenize-the-text pipeline would have got wrong."""
@@ -357,7 +309,6 @@ def fidelity(
     rows = calls.select(columns).to_pylist()
     if not rows:
         fail(f"no captured calls under {directory}")
-    drift_note = _exact_drift(directory, calls, rows, tokenizer_spec)
     groups, total, examples = fidelity_report(rows)
     if as_json:
         out = {
@@ -368,8 +319,6 @@ def fidelity(
                 for e in examples[:n_examples]
             ],
         }
-        if drift_note:
-            out["total"]["exact_prefix"]["drift_note"] = drift_note
         click.echo(json.dumps(out, indent=2, default=str))
         return
     if plain:
@@ -395,11 +344,14 @@ def fidelity(
         console.print(
             f"Exact-prefix mode: [bold]{exact.token_in_calls}[/bold] of "
             f"{exact.token_in_calls + exact.chat_calls} calls were sent as the policy's own tokens; "
-            f"in chat mode [bold]{exact.calls_drift_removed}[/bold] of them would have had a "
-            f"re-rendered prompt ({exact.drift_tokens_removed} tokens from the first difference "
-            f"on). Sent the chat way: {reasons or 'none'}."
+            + (
+                f"in chat mode [bold]{exact.calls_drift_removed}[/bold] of the "
+                f"{exact.compared} compared would have had a re-rendered prompt "
+                f"({exact.drift_tokens_removed} tokens from the first difference on). "
+                if exact.compared
+                else "what chat mode would have sent was not compared (polar_exact_compare). "
+            )
+            + f"Sent the chat way: {reasons or 'none'}."
         )
-        if drift_note:
-            console.print(drift_note)
     for ex in examples[:n_examples]:
         console.print(_example_table(ex))

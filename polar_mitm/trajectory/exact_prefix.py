@@ -31,7 +31,7 @@ import json
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +186,8 @@ class ExactPrefix:
     _rollouts: OrderedDict[str, list[Chain]] = field(default_factory=OrderedDict)
     _special_text: dict[int, str] = field(default_factory=dict)
     texts: IdsJson = field(default_factory=IdsJson)  # chains' ids as JSON text (a cache)
+    compare_calls: bool = False  # polar_exact_compare: what chat mode would have sent, per call
+    _pending: set[asyncio.Task] = field(default_factory=set)
     # One thread of its own: a plan renders and tokenizes under the tokenizer's lock anyway, and
     # the default executor's threads (each with a malloc arena holding its freed request copies)
     # cost memory for no parallelism.
@@ -360,7 +362,8 @@ class ExactPrefix:
     def chains(self, rollout_id: str) -> list[Chain]:
         return list(self._rollouts.get(rollout_id, ()))
 
-    # -- what chat mode would have sent (offline: `polar-mitm fidelity`) ---------------------------
+    # -- what chat mode would have sent (`polar_exact_compare`: a worker, before the record is
+    # stored) ------------------------------------------------------------------------------------
 
     def chat_prompt_ids(self, chat: dict[str, Any]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, self.flavor, chat)
@@ -376,12 +379,43 @@ class ExactPrefix:
             note.update(prompt_drift(record.prompt_token_ids or (), would))
         put_note(record, note)
 
+    def submit(
+        self,
+        record: CallRecord,
+        chat: dict[str, Any],
+        note: dict[str, Any],
+        done: Callable[[], None],
+    ) -> None:
+        """`compare` off the event loop, then `done` (the record's delivery), exactly once."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.compare(record, chat, note)
+            done()
+            return
+
+        async def run() -> None:
+            try:
+                await asyncio.to_thread(self.compare, record, chat, note)
+            except Exception as e:
+                note["chat_prompt_error"] = f"{type(e).__name__}: {e}"
+                put_note(record, note)
+            finally:
+                done()
+
+        task = loop.create_task(run())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def drain(self) -> None:
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
 
 def chat_prompt_ids(tok: PolicyTokenizer, flavor: str, chat: dict[str, Any]) -> list[int]:
     """The prompt ids chat mode would have had: the whole conversation rendered with the chat
-    template and tokenized. O(conversation), so never per call in the proxy: a long session's
-    last call is 80k tokens, a quarter of a second of tokenizing. `polar-mitm fidelity` runs it
-    on the stored token-in calls (`cli/exact_drift.py`)."""
+    template and tokenized. O(conversation): a long session's last call is 80k tokens, a quarter
+    of a second of tokenizing, so the proxy does it only with `polar_exact_compare`."""
     inp = render_input(chat, flavor)
     with tok.lock:
         text = tok.render(inp.messages, inp.tools, inp.kwargs, generation=inp.add_generation_prompt)
