@@ -5,8 +5,9 @@ Columns (same client, same upstream, same run):
   mitm-stream       plain mitmdump with scripts/bench_floor.py: api.openai.com -> server, reply
                     streamed (`flow.response.stream = True`): the floor for any addon that streams
   capture-floor     mitm-stream plus the least any token-capturing addon must do: ask the server for
-                    token ids and logprobs and JSON-decode every streamed event to read them (the
-                    chunks pass on unchanged): what capture itself costs, whoever implements it
+                    token ids and logprobs and decode every streamed event to read them, with
+                    msgspec, polar-mitm's own decoder (the chunks pass on unchanged): what capture
+                    itself costs, whoever implements it
   mitm-buffered     the same, mitmdump's default buffering (the whole generation, then replayed)
   polar-mitm        mitmdump -s addons/polar.py (capture + journal + Parquet shards on)
   litellm           LiteLLM's proxy (a gateway at a base URL, chat path) in front of the same

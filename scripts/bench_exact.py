@@ -10,7 +10,8 @@ call goes through what exact-prefix mode adds to the proxy, timed in CPU time of
 - hot path (before the call goes upstream, in a worker thread): `ExactPrefix.plan` — message keys
   of the request, the chain match, the new messages rendered with the template and tokenized —
   and `remember` (on the event loop, when the call completes);
-- off the hot path (after the harness has its reply): `compare`, what chat mode would have sent.
+- with `polar_exact_compare` only (off by default), off the hot path: `compare`, what chat mode
+  would have sent (the whole conversation rendered and tokenized).
 
 Chat mode adds none of these, so the figures are absolute milliseconds per call, for the first and
 the last quarter of the rollout (the hot path must not grow with the conversation).

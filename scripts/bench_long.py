@@ -7,9 +7,11 @@ tools with long descriptions and one tool call per turn answered by a 6k-charact
 and re-sends everything each turn (the reference server plays the scripted reply; the client
 appends it, as the harness would, with its reasoning, so the trajectory merge sees one chain).
 
-Columns: direct (the yardstick for added latency), mitm-stream, capture-floor, polar-mitm, and
+Columns: direct (the yardstick for added latency), mitm-stream, capture-floor, polar-mitm,
 polar-mitm@half (the same proxy and sessions stopped at half the turns: its bytes per token is the
-figure the linear-storage goal compares against). Every turn, the columns take turns (rotating
+figure the linear-storage goal compares against) and polar-mitm+exact (`polar_exact_prefix=true`
+with the Qwen3 tokenizer: every call after a session's first goes to the server's token-in
+endpoint as the chain's ids plus the new messages). Every turn, the columns take turns (rotating
 order), all sessions of a column at once, so drift on a shared machine moves every column alike.
 Figures: proxy CPU per call (all of a proxy's CPU from its first call to a settle after its last,
 over its calls), latency p50 of the first and last fifth of the turns, peak RSS (VmHWM), polar-mitm's
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import ssl
 import statistics
 import time
@@ -31,7 +34,14 @@ from typing import Any
 import aiohttp
 import bench
 
-LONG_COLUMNS = ("direct", "mitm-stream", "capture-floor", "polar-mitm", "polar-mitm@half")
+LONG_COLUMNS = (
+    "direct",
+    "mitm-stream",
+    "capture-floor",
+    "polar-mitm",
+    "polar-mitm@half",
+    "polar-mitm+exact",
+)
 # The long sessions' rollouts stay open for the whole run (a turn waits for the other columns)
 # and end as a farm ends them: its reward posted to the control plane (`end_rollouts`).
 LONG_OPTIONS = {"polar_rollout_idle": "0", "polar_control_token": "bench-long-control"}
@@ -138,6 +148,20 @@ def reply(turn: int) -> tuple[str, str, dict[str, str]]:
     )
 
 
+def column_options(column: str) -> dict[str, str]:
+    """A polar-mitm column's --sets: exact-prefix mode renders new messages with the Qwen3
+    tokenizer and chat template the reference server uses."""
+    if column != "polar-mitm+exact":
+        return LONG_OPTIONS
+    from polar_mitm.assets import qwen3_tokenizer_dir
+
+    return {
+        **LONG_OPTIONS,
+        "polar_exact_prefix": "true",
+        "polar_tokenizer": str(qwen3_tokenizer_dir()),
+    }
+
+
 def write_scenario(tmp: Path, turns: int) -> Path:
     script = [
         {
@@ -228,6 +252,14 @@ def conversation_tokens(folder: Path, prefix: str = "long-") -> int:
         n = len(c["prompt_token_ids"] or ()) + len(c["output_token_ids"] or ())
         best[c["rollout_id"]] = max(best.get(c["rollout_id"], 0), n)
     return sum(best.values())
+
+
+def token_in_calls(folder: Path) -> int:
+    """The calls of the long sessions sent to the token-in endpoint (exact-prefix mode)."""
+    from polar_mitm.store import read_table
+
+    calls = read_table(folder, "calls").select(["rollout_id", "route"]).to_pylist()
+    return sum(c["route"] == "token_in" for c in calls if c["rollout_id"].startswith("long-"))
 
 
 def storage(folder: Path) -> dict[str, Any]:
@@ -384,9 +416,9 @@ def measure_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         for column in LONG_COLUMNS[1:]:
             kind = "polar-mitm" if column.startswith("polar-mitm") else column
-            name = f"long-{column.replace('@', '-')}"
+            name = "long-" + re.sub(r"[^\w.-]", "-", column)
             child, port = bench.start_proxy(
-                tmp, kind, upstream, confdir, name, LONG_OPTIONS, wait=False
+                tmp, kind, upstream, confdir, name, column_options(column), wait=False
             )
             ts[column] = bench.Target(bench.URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
             if kind == "polar-mitm":
@@ -429,6 +461,7 @@ def measure_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             col["tokens"] = tokens
             col["bytes_per_token"] = col["disk_bytes"] / tokens if tokens else float("nan")
             col.update(storage(data[column]))
+            col["token_in_calls"] = token_in_calls(data[column])
         out["columns"][column] = col
     return out
 
@@ -479,6 +512,23 @@ def report_long(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]
                 f"{p / s:.2f}; {p / f:.2f}" if s > 0 and f > 0 else "",
             )
         )
+    exact = cols.get("polar-mitm+exact")
+    if exact is not None:  # token-in: its goals are against mitm-stream, and RSS chat mode's
+        for name, key, unit in (
+            ("proxy CPU per call", "cpu_ms_per_call", " ms"),
+            ("latency p50, last fifth of the turns", "late_ms_p50", " ms"),
+            ("peak RSS", "peak_rss_mb", " MB"),
+        ):
+            e, s, f, p = exact[key], stream[key], floor[key], polar[key]
+            rows.append(
+                (
+                    f"exact-prefix: {name} (chat mode {p:.1f})",
+                    f"{e:.1f}{unit}",
+                    f"{s:.1f}",
+                    f"{f:.1f}",
+                    f"{e / s:.2f}; {e / f:.2f}; x chat mode {e / p:.2f}",
+                )
+            )
     half = cols.get("polar-mitm@half", {})
     rows.append(
         (

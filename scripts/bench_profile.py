@@ -4,8 +4,11 @@ throughput load (32 concurrent streaming chat calls, upstream as fast as it goes
 
     .venv/bin/pip install py-spy      # not a test dependency
     .venv/bin/python scripts/bench_profile.py [--seconds 12] [--tokens 8] [--raw out.txt]
-    .venv/bin/python scripts/bench_profile.py --long [--sessions 4] [--turns 12]
-                                      # under scripts/bench.py --long's load instead
+    .venv/bin/python scripts/bench_profile.py --long [--sessions 4] [--turns 12] [--exact]
+                                      # under scripts/bench.py --long's load instead (--exact:
+                                      # its polar-mitm+exact column, exact-prefix mode)
+    ... [--gil]                       # only the thread holding the GIL: Python's own CPU (a
+                                      # thread blocked in C, e.g. a queue wait, is not sampled)
 
 Prints the share of the main thread's samples (the event loop, where every call's work runs)
 spent inside each part of the capture path, and the calls/s reached while sampling (lower than
@@ -87,13 +90,19 @@ def profile_long(args: argparse.Namespace, spy: str) -> int:
         ctx = ssl.create_default_context(cafile=str(ensure_ca(tmp / "certs")))
         scenario = bench_long.write_scenario(tmp, args.turns)
         server, url = bench.start_server(tmp, scenario, 0, "server")
+        column = "polar-mitm+exact" if args.exact else "polar-mitm"
         proxy, port = bench.start_proxy(
-            tmp, "polar-mitm", url, tmp / "certs", "long-polar-mitm", bench_long.LONG_OPTIONS
+            tmp,
+            "polar-mitm",
+            url,
+            tmp / "certs",
+            "long-polar-mitm",
+            bench_long.column_options(column),
         )
         raw = args.raw or tmp / "samples.txt"
         ts = {
             "direct": bench.Target(url + "/v1/chat/completions", None, False),
-            "polar-mitm": bench.Target(bench.URL, f"http://127.0.0.1:{port}", ctx, proxy),
+            column: bench.Target(bench.URL, f"http://127.0.0.1:{port}", ctx, proxy),
         }
         try:
             sampler = subprocess.Popen(
@@ -108,6 +117,7 @@ def profile_long(args: argparse.Namespace, spy: str) -> int:
                     str(raw),
                     "-r",
                     "200",
+                    *(["--gil"] if args.gil else []),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -122,7 +132,8 @@ def profile_long(args: argparse.Namespace, spy: str) -> int:
             server.stop()
         total, part = shares(raw)
         leaves = top_leaves(raw)
-    print(f"{args.sessions} sessions x {args.turns} turns; {total} main-thread samples")
+    mode = "exact-prefix mode" if args.exact else "chat mode"
+    print(f"{mode}, {args.sessions} sessions x {args.turns} turns; {total} main-thread samples")
     for label, fn in PARTS.items():
         print(f"{100 * part[fn]:5.1f} %  {label}")
     print("self time, every thread ([main]: the event loop):")
@@ -139,6 +150,8 @@ def main() -> int:
     ap.add_argument("--long", action="store_true", help="the long-session load instead")
     ap.add_argument("--sessions", type=int, default=4, help="--long: concurrent sessions")
     ap.add_argument("--turns", type=int, default=12, help="--long: turns per session")
+    ap.add_argument("--exact", action="store_true", help="--long: exact-prefix mode's column")
+    ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     args = ap.parse_args()
     spy = shutil.which("py-spy", path=str(bench.BIN)) or shutil.which("py-spy")
     if spy is None:
@@ -161,7 +174,8 @@ def main() -> int:
             loop.run_until_complete(bench.drive("p", bench.URL, via, ctx, 4, 2, None))
             sampler = subprocess.Popen(
                 [spy, "record", "-p", str(proxy.proc.pid), "-f", "raw", "-o", str(raw)]
-                + ["-r", "200", "-d", str(int(args.seconds))],
+                + ["-r", "200", "-d", str(int(args.seconds))]
+                + (["--gil"] if args.gil else []),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,

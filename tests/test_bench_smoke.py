@@ -78,10 +78,13 @@ def test_bench_long_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())
     cols = results["columns"]
-    for column in ("direct", "mitm-stream", "capture-floor", "polar-mitm"):
+    for column in ("direct", "mitm-stream", "capture-floor", "polar-mitm", "polar-mitm+exact"):
         assert cols[column]["calls"] == 8 and cols[column]["errors"] == 0, (column, cols[column])
     assert cols["polar-mitm@half"]["calls"] == 4  # stopped at half the turns
-    for column in ("mitm-stream", "capture-floor", "polar-mitm"):
+    assert "exact-prefix: proxy CPU per call" in proc.stdout  # its goals' rows
+    assert cols["polar-mitm+exact"]["token_in_calls"] == 2 * 3  # all but each session's first
+    assert cols["polar-mitm"]["token_in_calls"] == 0
+    for column in ("mitm-stream", "capture-floor", "polar-mitm", "polar-mitm+exact"):
         assert cols[column]["cpu_ms_per_call"] > 0 and cols[column]["peak_rss_mb"] > 0
     polar = cols["polar-mitm"]
     assert polar["traces_per_rollout"] == 1.0  # the merge saw each session as one conversation

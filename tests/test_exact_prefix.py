@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from array import array
 
 import pytest
 
@@ -10,6 +11,7 @@ from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.output_parsers import family
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.trajectory.exact_prefix import MAX_CHAINS, ExactPrefix, Lookup, message_key
+from polar_mitm.trajectory.ids_json import ids_text
 
 from .clients import RUN_SHELL
 
@@ -94,7 +96,7 @@ def test_a_tool_turn_continues_with_exactly_the_template_tokens(book_factory, ta
     assert lookup.plan is not None, lookup.reason
     assert lookup.plan.chain_tokens == len(prompt) + len(output)
     # no drift here: the whole prompt is what the template renders for the same messages
-    assert lookup.plan.prompt_ids == render(book, messages)
+    assert lookup.plan.prompt_ids.tolist() == render(book, messages)
     assert lookup.plan.sampling == {"max_tokens": 40960 - len(lookup.plan.prompt_ids)}
     assert lookup.plan.reasoning_open is None and lookup.plan.parse_tools
 
@@ -122,10 +124,11 @@ def test_a_drifting_harness_and_a_new_user_turn_keep_the_sampled_tokens(book_fac
     lookup = book.plan(book.chains("r.0"), chat, None)
     plan = lookup.plan
     assert plan is not None and plan.sampling == {"max_tokens": 64, "temperature": 0.7}
-    assert plan.prompt_ids[: len(prompt) + len(output)] == prompt + output
+    sent = plan.prompt_ids.tolist()
+    assert sent[: len(prompt) + len(output)] == prompt + output
     chat_ids = render(book, messages)
-    assert chat_ids != plan.prompt_ids  # chat mode re-renders the turn (reasoning, key order)
-    new = plan.prompt_ids[len(prompt) + len(output) :]
+    assert chat_ids != sent  # chat mode re-renders the turn (reasoning, key order)
+    new = sent[len(prompt) + len(output) :]
     assert chat_ids[-len(new) :] == new  # the new messages render the same either way
 
 
@@ -178,12 +181,32 @@ def test_a_longer_chain_replaces_the_one_it_extends_and_chains_are_bounded(book_
     )
     [chain] = book.chains("r.0")
     assert chain.last_call_id == "call-2" and chain.tokens.tolist()[-2:] == [9, 151645]
+    # the request's text of the ids is the ids; the next call's starts with this chain's, kept
+    assert json.loads(second.plan.prompt_json) == second.plan.prompt_ids.tolist()
+    third = book.plan(
+        book.chains("r.0"),
+        {"messages": [*messages, {"role": "assistant", "content": "Done."}, USER]},
+        40960,
+    )
+    assert third.reason == "no_chain"  # other tools: another prompt altogether
+    third = book.plan(
+        book.chains("r.0"),
+        {
+            "messages": [*messages, {"role": "assistant", "content": "Done."}, USER],
+            "tools": [RUN_SHELL],
+        },
+        40960,
+    )
+    assert third.plan is not None and third.plan.chain_tokens == len(chain.tokens)
+    assert json.loads(third.plan.prompt_json) == third.plan.prompt_ids.tolist()
+    # kept when call-2 was remembered (its prompt as sent, then its output), not rewritten
+    assert book.texts.of("call-2", array("i")) == ids_text(chain.tokens)
     for i in range(MAX_CHAINS + 5):  # side calls: one chain each, the oldest dropped
         side = book.plan((), {"messages": [{"role": "user", "content": f"title {i}"}]}, 40960)
         book.remember("r.0", side, {"role": "assistant", "content": "t"}, [1], [151645], f"s{i}")
     assert len(book.chains("r.0")) == MAX_CHAINS
     book.forget("r.0")
-    assert book.chains("r.0") == []
+    assert book.chains("r.0") == [] and book.texts.size == 0  # the texts go with the chains
 
 
 def test_compare_notes_what_chat_mode_would_have_sent(book_factory):

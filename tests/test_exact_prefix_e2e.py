@@ -138,7 +138,11 @@ def test_enforce_mode_removes_the_drift_chat_mode_has(make_policy_server, make_m
     tok = str(qwen3_tokenizer_dir())
     chat_mitm = make_mitm(server.url, polar_tokenizer=tok, polar_upstream_kind=kind)
     exact_mitm = make_mitm(
-        server.url, polar_tokenizer=tok, polar_upstream_kind=kind, polar_exact_prefix="true"
+        server.url,
+        polar_tokenizer=tok,
+        polar_upstream_kind=kind,
+        polar_exact_prefix="true",
+        polar_exact_compare="true",
     )
     with openai_client(chat_mitm, api_key="polar-drift.0") as client:
         chat_replies, _ = converse(client, stream, drift=True)
@@ -170,7 +174,7 @@ def test_enforce_mode_removes_the_drift_chat_mode_has(make_policy_server, make_m
         chain = before["prompt_token_ids"] + before["output_token_ids"]
         assert call["prompt_token_ids"][: len(chain)] == chain  # the policy's own tokens
         assert note["chain_tokens"] == len(chain)
-        # the drifting harness: chat mode would have sent other tokens from some point on
+        # polar_exact_compare: the drifting harness's chat-mode prompt differs from some point on
         assert note["drift_tokens"] > 0 and note["first_diff"] < len(chain)
     [trace] = traces
     assert trace["break_reason"] == "first_call" and trace["status"] == "incomplete"
@@ -185,7 +189,7 @@ def test_enforce_mode_removes_the_drift_chat_mode_has(make_policy_server, make_m
     report = cli("fidelity", str(exact_mitm.output), "--json")
     assert report.returncode == 0, report.stderr
     exact = json.loads(report.stdout)["total"]["exact_prefix"]
-    assert exact["token_in_calls"] == 3 and exact["chat_calls"] == 1
+    assert exact["token_in_calls"] == exact["compared"] == 3 and exact["chat_calls"] == 1
     assert exact["calls_drift_removed"] == 3
     assert exact["drift_tokens_removed"] == sum(n["drift_tokens"] for n in notes[1:])
 
@@ -197,7 +201,10 @@ def test_a_clean_conversation_gets_the_chat_prompt_ids(make_policy_server, make_
     which chat mode re-renders differently (a real drift, which exact-prefix mode removes)."""
     server = make_policy_server(SCENARIO)
     mitm = make_mitm(
-        server.url, polar_tokenizer=str(qwen3_tokenizer_dir()), polar_exact_prefix="true"
+        server.url,
+        polar_tokenizer=str(qwen3_tokenizer_dir()),
+        polar_exact_prefix="true",
+        polar_exact_compare="true",
     )
     with openai_client(mitm, api_key="polar-clean.0") as client:
         _, sent = converse(client, stream=False, drift=False)
@@ -326,6 +333,11 @@ def test_the_other_dialects_see_the_same_replies(make_policy_server, make_mitm, 
     assert [c["dialect"] for c in calls] == [dialect] * 3
     assert [c["route"] for c in calls] == ["chat", "token_in", "token_in"]
     assert all(c["status"] == "completed" for c in calls)
+    # without polar_exact_compare the whole conversation is never rendered again per call
+    assert all("drift_tokens" not in json.loads(c["fidelity_json"])["exact_prefix"] for c in calls)
+    report = cli("fidelity", str(exact_mitm.output), "--json")
+    total = json.loads(report.stdout)["total"]["exact_prefix"]
+    assert total["token_in_calls"] == 2 and total["compared"] == 0
     [trace] = traces
     assert trace["input_ids"] == calls[-1]["prompt_token_ids"] + calls[-1]["output_token_ids"]
     assert sum(trace["loss_mask"]) == sum(len(c["output_token_ids"]) for c in calls)

@@ -49,3 +49,35 @@ def test_what_msgspec_refuses_is_the_stdlibs() -> None:
     assert fastjson.dumps({1: 2**70}) == '{"1":1180591620717411303424}'
     assert fastjson.dumps_bytes("\ud800") == b'"\\ud800"'  # ASCII: never invalid UTF-8
     assert fastjson.dumps({"a": "é\n"}) == '{"a":"é\\n"}'  # compact, non-ASCII kept
+
+
+IDS = st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=50)
+ODD_ID = st.one_of(
+    st.integers(2**31, 2**80),
+    st.integers(-(2**80), -(2**31) - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=3),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(IDS, st.lists(ODD_ID, max_size=2), st.booleans())
+def test_loads_ids_reads_a_long_id_list_into_int32_and_nothing_else(ids, odd, spaced) -> None:
+    """A top-level id list long enough for the int32 path comes back as an array of the same
+    values; with any value that is not a 32-bit integer, or nested, it is `loads`'s."""
+    from array import array
+
+    value = ids * (fastjson.IDS_MIN_CHARS // (2 * len(ids)) + 1) + odd  # each id 2+ chars
+    doc = {"id": "chatcmpl-1", "choices": [{"delta": {"content": ""}}], "prompt_token_ids": value}
+    text = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":"))
+    assert len(text) >= fastjson.IDS_MIN_CHARS
+    got = fastjson.loads_ids(text)
+    assert got == json.loads(text) or got["prompt_token_ids"].tolist() == value
+    assert isinstance(got["prompt_token_ids"], array) is (not odd)
+    assert got["choices"] == doc["choices"]
+    nested = {"choices": [{"prompt_token_ids": value}]}
+    assert fastjson.loads_ids(json.dumps(nested)) == json.loads(json.dumps(nested))
+    with pytest.raises(ValueError):
+        fastjson.loads_ids(text[:-2] + ",]}")

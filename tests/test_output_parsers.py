@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 
 import pytest
 
@@ -42,24 +43,28 @@ def sampled():
 
 
 def _plan(parse_tools: bool = True) -> ExactPlan:
-    return ExactPlan([1, 2, 3], 0, "c", {"max_tokens": 100}, parse_tools, True, None)
+    return ExactPlan(
+        array("i", [1, 2, 3]), b"[1,2,3]", 0, "c", {"max_tokens": 100}, parse_tools, True, None
+    )
 
 
-def _reply(tok, kind: str = "vllm") -> TokenInReply:
+def _reply(tok, kind: str = "vllm", wants_logprobs: bool = False) -> TokenInReply:
     upstream = UPSTREAMS[kind]("http://127.0.0.1:9")
     return TokenInReply(
         upstream,
         _plan(),
         family=family("qwen3"),
-        specials=tok.specials,
+        tokenizer=tok,
         tally=TokenTally(),
         model="m",
-        wants_logprobs=False,
+        wants_logprobs=wants_logprobs,
     )
 
 
 def _chunk(text: str, ids: list[int], finish: str | None) -> dict:
-    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+    """vLLM's token-in chunk: the sampled ids as `return_tokens_as_token_ids` names them."""
+    logprobs = {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [-0.5] * len(ids)}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [choice]}
 
 
@@ -155,3 +160,20 @@ def test_families_are_registered_and_unknown_names_are_refused():
     assert set(FAMILIES) == {"qwen3", "hermes"}
     with pytest.raises(ValueError, match="unknown output parser 'llama'"):
         family("llama")
+
+
+def test_a_token_in_reply_names_its_tokens_by_id(sampled):
+    """vLLM's token-in reply carries the sampled ids only as `return_tokens_as_token_ids`'s
+    "token_id:N" strings: the tally gets the ids, a harness that asked for logprobs gets each
+    token's own text, and a reply naming its tokens otherwise is refused (not read as ids)."""
+    ids, pieces, tok = sampled
+    reply = _reply(tok, wants_logprobs=True)
+    out = reply.reply(_chunk("".join(pieces), ids, "stop"))
+    assert reply.tally.output_ids == ids and reply.tally.logprobs == [-0.5] * len(ids)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == tok.token_strs(ids)
+    assert content[0]["token"] == "<think>" and content[-1]["token"] == "<|im_end|>"
+    named = _chunk("".join(pieces), ids, "stop")
+    named["choices"][0]["logprobs"]["tokens"] = list(pieces)
+    with pytest.raises(ValueError, match="is not 'token_id:N'"):
+        _reply(tok).reply(named)

@@ -235,13 +235,14 @@ def test_generate_body_maps_every_sampling_name():
     assert params["max_new_tokens"] == 9 and params["min_new_tokens"] == 1
     assert params["sampling_seed"] == 1 and params["no_stop_trim"] == 1
     assert not {"max_tokens", "min_tokens", "seed", "include_stop_str_in_output"} & set(params)
-    assert body["return_text_in_logprobs"] is body["return_prompt_token_ids"] is True
+    assert body["return_text_in_logprobs"] is body["return_logprob"] is True
+    assert "return_prompt_token_ids" not in body  # the ids sent are the prompt: no echo
     assert up.token_in_unsupported({"best_of": 2}) == "no_sglang_form: best_of"
     with pytest.raises(ValueError, match="no SGLang /generate form"):
         up.token_in_body([1], {"best_of": 2}, model=None, stream=False)
 
 
-def test_generate_abort_and_prompt_echo():
+def test_generate_abort_and_an_unasked_prompt_echo():
     up, tally = SGLang("http://x"), TokenTally()
     reply = {
         "text": "hi",
@@ -256,7 +257,8 @@ def test_generate_abort_and_prompt_echo():
     }
     piece = up.take_text(reply, tally)
     assert piece.finish_reason == tally.finish_reason == "abort"  # not "stop"
-    assert tally.abort_message == "Aborted" and tally.prompt_ids == [1, 2]
+    assert tally.abort_message == "Aborted" and tally.prompt_ids is None  # the proxy's own
+    assert "prompt_token_ids" not in reply and tally.usage["prompt_tokens"] == 2
     assert piece.tokens == ["hi"]
 
 

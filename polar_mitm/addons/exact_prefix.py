@@ -31,6 +31,16 @@ class ExactPrefixAddon:
             "with a chat template.",
         )
         loader.add_option(
+            "polar_exact_compare",
+            bool,
+            False,
+            "Exact-prefix mode: for every token-in call, also render and tokenize the whole "
+            "conversation as chat mode would have sent it (in a worker, before the record is "
+            "stored) and note where the prompt sent differs (fidelity_json.exact_prefix "
+            "first_diff / drift_tokens, summed by polar-mitm fidelity). O(conversation) per call: "
+            "a quarter of a second of CPU at 80k tokens.",
+        )
+        loader.add_option(
             "polar_output_parser",
             str,
             "qwen3",
@@ -39,8 +49,12 @@ class ExactPrefixAddon:
         )
 
     def configure(self, updated: set[str]) -> None:
+        if self.book is not None and "polar_exact_compare" in updated:
+            self.book.compare_calls = ctx.options.polar_exact_compare
         if not {"polar_exact_prefix", "polar_output_parser", "polar_tokenizer"} & updated:
             return
+        if self.book is not None:
+            self.book.close()
         self.book = None
         opts = ctx.options
         try:
@@ -58,7 +72,7 @@ class ExactPrefixAddon:
                 "would"
             )
             return
-        self.book = ExactPrefix(tok, parser)
+        self.book = ExactPrefix(tok, parser, compare_calls=opts.polar_exact_compare)
 
     def running(self) -> None:
         if self.book is not None:
@@ -67,6 +81,10 @@ class ExactPrefixAddon:
                 self.book.tokenizer.spec,
                 self.book.family.name,
             )
+
+    def done(self) -> None:
+        if self.book is not None:
+            self.book.close()
 
     def rollout_written(self, rollout_id: str) -> None:
         if self.book is not None:

@@ -25,6 +25,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import msgspec
 
 from .. import fastjson
 from ..dialects import Dialect, HarnessRequest, StreamTranslator
@@ -191,16 +192,16 @@ class Call:
             assert exact is not None
             stream_upstream = self.req.stream and upstream.token_in_streams
             body = upstream.token_in_body(
-                plan.prompt_ids, plan.sampling, model=model, stream=stream_upstream
+                msgspec.Raw(plan.prompt_json), plan.sampling, model=model, stream=stream_upstream
             )
             url = upstream.token_in_url
             self.record.route = "token_in"
-            self.tally.prompt_ids = plan.prompt_ids  # what was sent; the server's echo replaces it
+            self.tally.prompt_ids = plan.prompt_ids  # what was sent (the server echoes nothing)
             self.text_reply = TokenInReply(
                 upstream,
                 plan,
                 family=exact.family,
-                specials=exact.tokenizer.specials,
+                tokenizer=exact.tokenizer,
                 tally=self.tally,
                 model=model,
                 wants_logprobs=self.req.wants_logprobs,
@@ -541,8 +542,8 @@ class Call:
             # Not held for: the record needs the retokenizer first, the harness does not.
             assert self.settings.retokenizer is not None
             self.settings.retokenizer.submit(job, lambda: deliver(record, self.sinks))
-        elif exact is not None and lookup is not None and lookup.plan is not None:
-            # Not held for either: what chat mode would have sent is rendered off the loop.
+        elif exact is not None and exact.compare_calls and lookup is not None and lookup.plan:
+            # polar_exact_compare (not held for): what chat mode would have sent, off the loop
             note = lookup.note()
             exact.submit(record, self.req.chat, note, lambda: deliver(record, self.sinks))
         else:
@@ -554,11 +555,12 @@ class Call:
         """Exact-prefix mode: a completed call becomes its rollout's chain (before the harness
         has the end of the reply, so its next call finds it); the record says which path."""
         record, plan = self.record, lookup.plan
-        echo = self.tally.prompt_ids
-        if plan is not None and echo is not None and list(echo) != plan.prompt_ids:
-            record.flag("prompt_echo_mismatch")  # the server did not take our ids verbatim
-        if plan is None:
-            put_note(record, lookup.note())
+        counted = record.usage_prompt_tokens
+        if plan is not None and counted is not None and counted != len(plan.prompt_ids):
+            # the server ran another prompt than the ids sent (it prepended a BOS, or a proxy in
+            # between retokenized): it does not echo them, but it counts them
+            record.flag("prompt_echo_mismatch")
+        put_note(record, lookup.note())
         if record.status == "completed" and record.ids_source == "upstream":
             exact.remember(
                 record.rollout_id,
@@ -683,9 +685,11 @@ def _without_reasoning(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json_value(data: str, what: str) -> Any:
-    """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused."""
-    value = fastjson.loads(data)
-    if "\\ud" in data or "\\uD" in data:  # rare: only then look at the strings
+    """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused.
+    A top-level ``prompt_token_ids`` (vLLM's) comes back as the int32 array the record keeps."""
+    value = fastjson.loads_ids(data)
+    # rare: only then look at the strings (no backslash at all, e.g. an id list: one memchr)
+    if "\\" in data and ("\\ud" in data or "\\uD" in data):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
@@ -724,12 +728,14 @@ def _error_message(obj: Any) -> str | None:
     return None
 
 
-def _int32_array(ids: list[int] | None) -> array | list[int] | None:
+def _int32_array(ids: Sequence[int] | None) -> array | Sequence[int] | None:
     """Prompt ids as `array('i')`: the record's copy (`asdict`), the store's journal and the
     trajectory merge then move them at memcpy speed instead of one Python int at a time. Ids
     that do not fit stay a list, and the store rejects the row with a precise reason."""
     if ids is None:
         return None
+    if isinstance(ids, array) and ids.typecode == "i":  # the token-in path's own: never changed
+        return ids
     try:
         return array("i", ids)
     except (TypeError, OverflowError):

@@ -8,9 +8,11 @@ case — `\\n` line endings, one `data:` line per event — avoids per-line work
 
 from __future__ import annotations
 
-import json
+import codecs
 from dataclasses import dataclass
 from typing import Any
+
+from .. import fastjson
 
 
 @dataclass(slots=True)
@@ -21,13 +23,18 @@ class SSEEvent:
 
 
 class SSEParser:
-    """Feed bytes, get complete events. Follows the WHATWG event-stream rules."""
+    """Feed bytes, get complete events. Follows the WHATWG event-stream rules.
 
-    __slots__ = ("_buf", "_skip_lf", "max_event_bytes")
+    A long call's first event is hundreds of KB (vLLM's prompt ids) and arrives in many reads:
+    each feed searches only the bytes not searched before, and an event's text is decoded
+    straight out of the buffer, so the event costs one copy, not one per read."""
+
+    __slots__ = ("_buf", "_skip_lf", "_scan", "max_event_bytes")
 
     def __init__(self, max_event_bytes: int = 256 << 20) -> None:
         self._buf = bytearray()
         self._skip_lf = False
+        self._scan = 0  # where the search for the next "\n\n" resumes
         self.max_event_bytes = max_event_bytes
 
     def feed(self, data: bytes) -> list[SSEEvent]:
@@ -43,16 +50,17 @@ class SSEParser:
         buf += data
         events: list[SSEEvent] = []
         start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            event = _parse_block(bytes(buf[start:end]))
-            if event is not None:
-                events.append(event)
-            start = end + 2
-        if start:
+        end = buf.find(b"\n\n", self._scan)
+        if end >= 0:
+            with memoryview(buf) as view:
+                while end >= 0:
+                    event = _parse_block(buf, view, start, end)
+                    if event is not None:
+                        events.append(event)
+                    start = end + 2
+                    end = buf.find(b"\n\n", start)
             del buf[:start]
+        self._scan = max(len(buf) - 1, 0)
         if len(buf) > self.max_event_bytes:
             raise ValueError(f"SSE event larger than {self.max_event_bytes} bytes")
         return events
@@ -60,6 +68,7 @@ class SSEParser:
     def close(self) -> list[SSEEvent]:
         """End of stream: a final event without its blank line is dropped, as the spec says."""
         self._buf.clear()
+        self._scan = 0
         return []
 
     @property
@@ -67,10 +76,11 @@ class SSEParser:
         return len(self._buf)
 
 
-def _parse_block(block: bytes) -> SSEEvent | None:
-    text = block.decode("utf-8", errors="replace")
-    if text.startswith("data: ") and "\n" not in text:  # the common case
-        return SSEEvent(text[6:])
+def _parse_block(buf: bytearray, view: memoryview, start: int, end: int) -> SSEEvent | None:
+    """The event in ``buf[start:end]`` (``view`` is ``buf``'s)."""
+    if buf.startswith(b"data: ", start) and buf.find(b"\n", start, end) < 0:  # the common case
+        return SSEEvent(codecs.utf_8_decode(view[start + 6 : end], "replace", True)[0])
+    text = codecs.utf_8_decode(view[start:end], "replace", True)[0]
     data: list[str] = []
     event = ident = None
     for line in text.split("\n"):
@@ -101,11 +111,7 @@ def encode_json(obj: Any, event: str | None = None) -> bytes:
     return encode(dumps(obj), event)
 
 
-# One encoder for every chunk: json.dumps with arguments builds a new JSONEncoder per call, a third
-# of the time of encoding a stream chunk.
-_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-
-
 def dumps(obj: Any) -> str:
-    """Compact JSON, non-ASCII kept as is (what the servers and SDKs send)."""
-    return _COMPACT.encode(obj)
+    """Compact JSON, non-ASCII kept as is (what the servers and SDKs send): msgspec, a third of
+    the stdlib encoder's time for a stream chunk (`fastjson`)."""
+    return fastjson.dumps(obj)

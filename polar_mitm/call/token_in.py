@@ -19,6 +19,7 @@ from typing import Any
 
 from ..output_parsers import Family
 from ..output_parsers.qwen3 import message_tool_calls
+from ..tokens.tokenizer import PolicyTokenizer
 from ..trajectory.exact_prefix import ExactPlan
 from ..upstream import TokenTally, Upstream
 from ..upstream.base import TextPiece
@@ -31,7 +32,7 @@ class TokenInReply:
         plan: ExactPlan,
         *,
         family: Family,
-        specials: dict[str, int],
+        tokenizer: PolicyTokenizer,
         tally: TokenTally,
         model: str | None,
         wants_logprobs: bool,
@@ -40,9 +41,10 @@ class TokenInReply:
         self.plan = plan
         self.family = family
         self.tally = tally
+        self.tokenizer = tokenizer
         self.wants_logprobs = wants_logprobs
         self.parser = family.stream(
-            specials, parse_tools=plan.parse_tools, reasoning_open=plan.reasoning_open
+            tokenizer.specials, parse_tools=plan.parse_tools, reasoning_open=plan.reasoning_open
         )
         self.head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -116,17 +118,18 @@ class TokenInReply:
         return finish
 
     def _logprobs(self, piece: TextPiece) -> dict[str, Any] | None:
-        """Chat-shaped logprobs, only for a harness that asked for them."""
+        """Chat-shaped logprobs, only for a harness that asked for them. The token strings are
+        the server's where it sent them (SGLang's triples), else each id decoded here (vLLM's
+        token-in reply names its tokens by id)."""
         if not self.wants_logprobs or not piece.logprobs:
             return None
         tokens = piece.tokens if len(piece.tokens) == len(piece.logprobs) else None
-        ids = piece.ids if len(piece.ids) == len(piece.logprobs) else None
+        if tokens is None and len(piece.ids) == len(piece.logprobs):
+            with self.tokenizer.lock:
+                tokens = self.tokenizer.token_strs(piece.ids)
         content = []
         for i, logprob in enumerate(piece.logprobs):
-            if tokens is not None:
-                token = tokens[i]
-            else:
-                token = f"token_id:{ids[i]}" if ids is not None else ""
+            token = tokens[i] if tokens is not None else ""
             content.append(
                 {
                     "token": token,

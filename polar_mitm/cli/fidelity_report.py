@@ -43,6 +43,7 @@ class ExactPrefixFigures:
     tokens, and the drift chat mode would have had in their prompts."""
 
     token_in_calls: int = 0
+    compared: int = 0  # token-in calls whose record says what chat mode would have sent
     chat_calls: int = 0
     chat_reasons: dict[str, int] = field(default_factory=dict)
     calls_drift_removed: int = 0
@@ -52,6 +53,7 @@ class ExactPrefixFigures:
         if note.get("path") == "token_in":
             self.token_in_calls += 1
             drift = note.get("drift_tokens")
+            self.compared += isinstance(drift, int)
             if isinstance(drift, int) and drift > 0:
                 self.calls_drift_removed += 1
                 self.drift_tokens_removed += drift
@@ -62,6 +64,7 @@ class ExactPrefixFigures:
 
     def merge(self, other: ExactPrefixFigures) -> None:
         self.token_in_calls += other.token_in_calls
+        self.compared += other.compared
         self.chat_calls += other.chat_calls
         self.calls_drift_removed += other.calls_drift_removed
         self.drift_tokens_removed += other.drift_tokens_removed
@@ -71,6 +74,7 @@ class ExactPrefixFigures:
     def as_dict(self) -> dict[str, Any]:
         return {
             "token_in_calls": self.token_in_calls,
+            "compared": self.compared,
             "chat_calls": self.chat_calls,
             "chat_reasons": dict(self.chat_reasons),
             "calls_drift_removed": self.calls_drift_removed,
@@ -351,9 +355,14 @@ def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> Non
         console.print(
             f"Exact-prefix mode: [bold]{exact.token_in_calls}[/bold] of "
             f"{exact.token_in_calls + exact.chat_calls} calls were sent as the policy's own tokens; "
-            f"in chat mode [bold]{exact.calls_drift_removed}[/bold] of them would have had a "
-            f"re-rendered prompt ({exact.drift_tokens_removed} tokens from the first difference "
-            f"on). Sent the chat way: {reasons or 'none'}."
+            + (
+                f"in chat mode [bold]{exact.calls_drift_removed}[/bold] of the "
+                f"{exact.compared} compared would have had a re-rendered prompt "
+                f"({exact.drift_tokens_removed} tokens from the first difference on). "
+                if exact.compared
+                else "what chat mode would have sent was not compared (polar_exact_compare). "
+            )
+            + f"Sent the chat way: {reasons or 'none'}."
         )
     if total.constrained_by:
         reasons = ", ".join(f"{r} {n}" for r, n in sorted(total.constrained_by.items()))

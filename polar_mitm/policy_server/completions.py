@@ -12,7 +12,8 @@ Wire shapes: vLLM's ``CompletionResponse`` / ``CompletionStreamResponse``
 (``vllm/entrypoints/openai/completion/protocol.py``: ``text``, ``logprobs`` with ``tokens`` /
 ``token_logprobs`` / ``text_offset`` / ``top_logprobs``, per-choice ``token_ids`` and
 ``prompt_token_ids`` with ``return_token_ids`` — in a stream the prompt ids on the first chunk only —
-and a ``null`` ``max_tokens`` meaning 16); SGLang's ``/generate`` reply ``{"text", "output_ids",
+``return_tokens_as_token_ids`` naming each token ``token_id:N``, and a ``null`` ``max_tokens``
+meaning 16); SGLang's ``/generate`` reply ``{"text", "output_ids",
 "meta_info"}`` with ``output_token_logprobs`` triples when ``return_logprob`` is set (non-streaming
 only here).
 """
@@ -73,11 +74,16 @@ def _dumps(obj: Any) -> bytes:
 def read_chatml(text: str) -> tuple[str, str, list[str], int]:
     """(system text, first user text, tool names, assistant turns before the generation prompt)
     of a rendered Qwen3 prompt."""
-    blocks = _BLOCK.findall(text)
-    system = next((body for role, body in blocks if role == "system"), "")
-    first_user = next(
-        (b for r, b in blocks if r == "user" and not b.startswith("<tool_response>")), ""
-    )
+    system = first_user = None
+    for block in _BLOCK.finditer(text):  # as far as both are found: not the whole
+        role, body = block.group(1), block.group(2)  # conversation a long prompt re-sends
+        if role == "system" and system is None:
+            system = body
+        elif role == "user" and first_user is None and not body.startswith("<tool_response>"):
+            first_user = body
+        if system is not None and first_user is not None:
+            break
+    system, first_user = system or "", first_user or ""
     names = []
     tools = _TOOLS.search(system)
     for line in tools.group(1).splitlines() if tools else ():
@@ -98,15 +104,19 @@ def read_chatml(text: str) -> tuple[str, str, list[str], int]:
 class TokenInSample:
     """A scripted turn sampled after a prompt given as ids."""
 
-    def __init__(self, server: TokenInHost, prompt: list[int], max_tokens: int | None):
+    def __init__(
+        self, server: TokenInHost, prompt: list[int], max_tokens: int | None, *, ints: bool = False
+    ):
+        """``ints``: every id is known to be an ``int`` already (`_prompt_ids` looked)."""
         renderer = server.renderer
         if not prompt:
             raise RequestError("the prompt must not be empty", param="prompt")
         vocab = len(renderer.tokenizer)
-        if any(not isinstance(i, int) or i < 0 or i >= vocab for i in prompt):
+        ints = ints or set(map(type, prompt)) == {int}
+        if not ints or min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         limit = token_limit(len(prompt), max_tokens, server.max_model_len, server.limits)
-        text = renderer.decode(prompt)
+        text = renderer.decode_prompt(prompt)
         system, first_user, names, turns = read_chatml(text)
         try:
             script, turn = server.scenario.turn(system, first_user, names, turns)
@@ -141,7 +151,7 @@ def _turn_fields(turn: Turn) -> dict[str, Any]:
 
 def _prompt_ids(body: Any) -> list[int]:
     prompt = body.get("prompt") if isinstance(body, dict) else None
-    if not isinstance(prompt, list) or not all(type(i) is int for i in prompt):
+    if not isinstance(prompt, list) or (prompt and set(map(type, prompt)) != {int}):
         raise RequestError(
             "the reference server's /v1/completions takes 'prompt' as a list of token ids",
             param="prompt",
@@ -149,12 +159,16 @@ def _prompt_ids(body: Any) -> list[int]:
     return prompt
 
 
-def _logprobs(sample: TokenInSample, a: int, b: int, offset: int, top: int) -> dict[str, Any]:
+def _logprobs(sample: TokenInSample, a: int, b: int, offset: int, as_ids: bool) -> dict[str, Any]:
+    """vLLM's `CompletionLogProbs` for tokens a..b (`_create_completion_logprobs`): each
+    position's top entry is the sampled token itself (`logprobs: 0` still gives it), with
+    `return_tokens_as_token_ids` every token is named ``token_id:N``, and the text offsets
+    advance by the length of each token's string, whichever it is."""
+    tokens = [f"token_id:{i}" for i in sample.ids[a:b]] if as_ids else sample.token_strs[a:b]
     offsets, at = [], offset
-    for piece in sample.pieces[a:b]:
+    for token in tokens:
         offsets.append(at)
-        at += len(piece)
-    tokens = sample.token_strs[a:b]
+        at += len(token)
     values = sample.logprobs[a:b]
     return {
         "text_offset": offsets,
@@ -174,13 +188,13 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
         "model": model,
     }
     with_ids = bool(body.get("return_token_ids"))
-    top = body.get("logprobs")
-    want_lp = top is not None
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    want_lp = body.get("logprobs") is not None
     if not body.get("stream"):
         choice = {
             "index": 0,
             "text": "".join(sample.pieces),
-            "logprobs": _logprobs(sample, 0, len(sample.ids), 0, top) if want_lp else None,
+            "logprobs": _logprobs(sample, 0, len(sample.ids), 0, as_ids) if want_lp else None,
             "finish_reason": sample.finish_reason,
             "stop_reason": None,
             "token_ids": sample.ids if with_ids else None,
@@ -208,17 +222,22 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
     offset = 0
     n = len(sample.ids)
     for i in range(n):
+        logprobs = _logprobs(sample, i, i + 1, offset, as_ids) if want_lp else None
         choice: dict[str, Any] = {
             "index": 0,
             "text": sample.pieces[i],
-            "logprobs": _logprobs(sample, i, i + 1, offset, top) if want_lp else None,
+            "logprobs": logprobs,
             "finish_reason": sample.finish_reason if i == n - 1 else None,
             "stop_reason": None,
+            # set on every chunk, so `model_dump_json(exclude_unset=True)` writes them, null
+            # unless return_token_ids asked (the prompt's ids on the first chunk only)
+            "prompt_token_ids": sample.prompt if with_ids and i == 0 else None,
+            "token_ids": [sample.ids[i]] if with_ids else None,
         }
-        if with_ids:
-            choice["prompt_token_ids"] = sample.prompt if i == 0 else None
-            choice["token_ids"] = [sample.ids[i]]
-        offset += len(sample.pieces[i])
+        if logprobs is not None:  # vLLM advances by the tokens reported (their names' lengths)
+            offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        else:
+            offset += len(sample.pieces[i])
         events.append(b"data: " + _dumps({**head, "choices": [choice]}) + b"\n\n")
         tokens.append(1)
     options = body.get("stream_options")
@@ -296,7 +315,7 @@ def add_routes(app: web.Application, server: TokenInHost) -> None:
         max_tokens = _DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         try:
             prompt = _prompt_ids(body)
-            sample = await asyncio.to_thread(TokenInSample, server, prompt, max_tokens)
+            sample = await asyncio.to_thread(TokenInSample, server, prompt, max_tokens, ints=True)
         except RequestError as e:
             raise server._bad_request(e) from None
         plan = completion_plan(body, sample, server.served_model)

@@ -21,9 +21,11 @@ Results are cached (LRU keyed by a hash of the request), so a benchmark can driv
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +74,9 @@ class Completion:
     pieces: tuple[str, ...]
     token_strs: tuple[str, ...]
     fallback: bool = False
+
+
+_PROMPT_TEXTS = 64  # conversations whose latest prompt text `decode_prompt` keeps
 
 
 class _LRU:
@@ -142,6 +147,11 @@ class Renderer:
         self._completions = _LRU(cache_size)
         self._token_strs: dict[int, str] = {}
         self._max_token_chars: int | None = None
+        # decode_prompt's earlier prompts: head digest -> [(ids, digest of their bytes, text)]
+        self._texts: OrderedDict[bytes, list[tuple[int, bytes, str]]] = OrderedDict()
+        self._specials = frozenset(self.tokenizer.all_special_ids) | frozenset(
+            self.tokenizer.added_tokens_decoder
+        )
         # Fast tokenizers are not safe to drive from several threads at once (transformers may
         # reconfigure truncation/padding on the shared Rust object: "Already borrowed").
         self._lock = threading.RLock()
@@ -201,6 +211,36 @@ class Renderer:
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
             return self.tokenizer.decode(list(ids))
+
+    def decode_prompt(self, ids: Sequence[int]) -> str:
+        """``decode(ids)`` for a token-in prompt, reusing the text of an earlier prompt this one
+        extends: an agent session re-sends its whole conversation on every call, and decoding
+        80k ids is tens of milliseconds a real server (which never decodes a prompt of ids)
+        does not spend. What is kept of a prompt ends on its last special token, where the text
+        ends whole (no character split between two ids)."""
+        data = array("i", ids).tobytes()
+        head = hashlib.blake2b(data[:1024], digest_size=16).digest()
+        with self._lock:
+            known = list(self._texts.get(head, ()))
+        text, start = "", 0
+        for n, digest, prefix in known:  # longest first
+            if n <= len(ids) and hashlib.blake2b(data[: 4 * n], digest_size=16).digest() == digest:
+                text, start = prefix, n
+                break
+        end = len(ids)  # kept: the prompt up to its last special token (the generation prompt's)
+        while end > start and ids[end - 1] not in self._specials:
+            end -= 1
+        if end > start:
+            text += self.decode(ids[start:end])
+            entry = (end, hashlib.blake2b(data[: 4 * end], digest_size=16).digest(), text)
+            with self._lock:
+                entries = [e for e in self._texts.pop(head, []) if e[0] != end]
+                self._texts[head] = sorted([entry, *entries], key=lambda e: -e[0])[:4]
+                while len(self._texts) > _PROMPT_TEXTS:
+                    self._texts.popitem(last=False)
+        else:
+            end = start
+        return text + self.decode(ids[end:])
 
     def token_names(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary entries of ``ids`` (``/tokenize``'s ``token_strs``)."""

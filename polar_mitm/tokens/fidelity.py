@@ -328,6 +328,11 @@ class FidelityStage:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # a synchronous caller (tests, tools): check inline
             return _one(self._finish(record, self.compute(record, job), rollout, facts))
+        if job is None and self.tokenizer is None and not self._pending:
+            # Without a tokenizer and a re-render to explain, the checks are a few counts:
+            # inline, in order (nothing is waiting), since the worker's round trip costs the
+            # event loop more than they do.
+            return _one(self._finish(record, self.compute(record, None), rollout, facts))
         if len(self._pending) >= MAX_PENDING:
             self.skipped += 1
             found = Findings(error=f"skipped: {MAX_PENDING} calls already waiting for checks")

@@ -20,6 +20,10 @@ class TokenizerError(ValueError):
     pass
 
 
+# Texts this long are tokenized without holding the GIL (`PolicyTokenizer.encode`).
+_UNLOCKED_CHARS = 2048
+
+
 @dataclass(slots=True)
 class PolicyTokenizer:
     spec: str
@@ -38,6 +42,10 @@ class PolicyTokenizer:
         if self.kind == "hf":
             backend = getattr(self.impl, "backend_tokenizer", None)
             if backend is not None:  # the same Rust tokenizer, without transformers' overhead
+                if len(text) >= _UNLOCKED_CHARS:
+                    # `encode` holds the GIL for all its work (2 ms for a 6k-character tool
+                    # result: the event loop stands still); `encode_batch` lets it go
+                    return backend.encode_batch([text], add_special_tokens=False)[0].ids
                 return backend.encode(text, add_special_tokens=False).ids
             return list(self.impl.encode(text, add_special_tokens=False))
         return self.impl.encode(text, allowed_special="all")

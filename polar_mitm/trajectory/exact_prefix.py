@@ -18,13 +18,14 @@ the model family's output parser (`call/token_in.py`). A call that extends no ch
 side call, a compaction, a request the token-in endpoint cannot serve — goes the chat way, and the
 record says why (`fidelity_json["exact_prefix"]`).
 
-Matching and rendering run in a worker thread; the event loop only snapshots a rollout's chains
-and, when a call completes, appends or replaces one chain (`remember`): microseconds.
+Matching and rendering run in a worker thread of their own; the event loop only snapshots a
+rollout's chains and, when a call completes, appends or replaces one chain (`remember`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from ..call.record import CallRecord
 from ..output_parsers import Family
 from ..tokens.conversation import RenderInput, RequestError, history_message, render_input
 from ..tokens.tokenizer import PolicyTokenizer
+from .ids_json import IdsJson, ids_text, joined
 
 log = logging.getLogger("polar_mitm")
 
@@ -100,8 +102,23 @@ def message_key(message: Mapping[str, Any]) -> bytes:
         calls.append([function.get("name"), arguments])
     if role == "assistant":
         text = text.strip()
-    blob = json.dumps([role, text, calls], ensure_ascii=False, sort_keys=True, default=str)
-    return hashlib.blake2b(blob.encode(), digest_size=16).digest()
+    # The text is hashed as it is, not as JSON: a request re-sends every earlier message on every
+    # call (a long session's last call hashes 240k characters), and escaping that text into a JSON
+    # string cost five times the hashing. Each part is length-prefixed, so no two messages share
+    # a byte stream.
+    h = hashlib.blake2b(digest_size=16)
+    for part in (
+        json.dumps(role, default=str).encode(),
+        text.encode("utf-8", "surrogatepass"),
+        json.dumps(calls, ensure_ascii=False, sort_keys=True, default=str).encode(
+            "utf-8", "surrogatepass"
+        )
+        if calls
+        else b"",
+    ):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
 
 
 def _context_key(inp: RenderInput) -> str:
@@ -125,7 +142,8 @@ class Chain:
 class ExactPlan:
     """A call that extends a chain: what to send to the token-in endpoint."""
 
-    prompt_ids: list[int]
+    prompt_ids: array  # int32: the chain's tokens, then the new messages
+    prompt_json: bytes  # the same as a JSON list, the request's text (`ids_json`)
     chain_tokens: int  # how many of them are the chain's
     extends_call: str  # the chain's last call
     sampling: dict[str, Any]
@@ -167,7 +185,13 @@ class ExactPrefix:
     flavor: str = "vllm"  # how the server normalizes messages (`Upstream.template_flavor`)
     _rollouts: OrderedDict[str, list[Chain]] = field(default_factory=OrderedDict)
     _special_text: dict[int, str] = field(default_factory=dict)
+    texts: IdsJson = field(default_factory=IdsJson)  # chains' ids as JSON text (a cache)
+    compare_calls: bool = False  # polar_exact_compare: what chat mode would have sent, per call
     _pending: set[asyncio.Task] = field(default_factory=set)
+    # One thread of its own: a plan renders and tokenizes under the tokenizer's lock anyway, and
+    # the default executor's threads (each with a malloc arena holding its freed request copies)
+    # cost memory for no parallelism.
+    _worker: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
         self._special_text = {i: text for text, i in self.tokenizer.specials.items()}
@@ -178,8 +202,11 @@ class ExactPrefix:
         self, rollout_id: str, chat: dict[str, Any], max_model_len: int | None
     ) -> Lookup:
         chains = tuple(self._rollouts.get(rollout_id, ()))  # a snapshot: chains are immutable
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, "polar-exact")
         try:
-            return await asyncio.to_thread(self.plan, chains, chat, max_model_len)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._worker, self.plan, chains, chat, max_model_len)
         except Exception as e:  # a bug here must not fail the call: it goes the chat way
             log.exception("polar-mitm: exact-prefix lookup failed")
             return Lookup(reason=f"lookup_failed: {type(e).__name__}: {e}")
@@ -221,7 +248,8 @@ class ExactPrefix:
         except NotContinuation:
             found.reason = "template_not_continuation"
             return found
-        prompt = best.tokens.tolist() + new
+        prompt = best.tokens + array("i", new)  # two memcpys: a long chain is 100k ids
+        prompt_json = joined(self.texts.of(best.last_call_id, best.tokens), ids_text(new))
         cap = chat.get("max_completion_tokens") or chat.get("max_tokens")
         if max_model_len is not None:
             room = max_model_len - len(prompt)
@@ -236,6 +264,7 @@ class ExactPrefix:
         sampling["max_tokens"] = cap
         found.plan = ExactPlan(
             prompt_ids=prompt,
+            prompt_json=prompt_json,
             chain_tokens=len(best.tokens),
             extends_call=best.last_call_id,
             sampling=sampling,
@@ -300,58 +329,54 @@ class ExactPrefix:
             last_assistant=assistant,
             last_call_id=call_id,
         )
+        if lookup.plan is not None and len(prompt_ids) == len(lookup.plan.prompt_ids):
+            # what the next call sends: this one's prompt text as sent, then its output
+            self.texts.put(
+                call_id, joined(lookup.plan.prompt_json[1:-1], ids_text(output_ids))[1:-1]
+            )
         chains = self._rollouts.pop(rollout_id, None) or []
         n = len(lookup.keys)
-        chains = [
-            c
-            for c in chains
-            if not (
+        kept, replaced = [], []
+        for c in chains:
+            extended = (
                 c.context == chain.context
                 and c.keys == chain.keys[: len(c.keys)]
                 and len(c.keys) <= n
             )
-        ]
-        chains.append(chain)
-        self._rollouts[rollout_id] = chains[-MAX_CHAINS:]
+            (replaced if extended else kept).append(c)
+        kept.append(chain)
+        replaced += kept[:-MAX_CHAINS]
+        self._rollouts[rollout_id] = kept[-MAX_CHAINS:]
         while len(self._rollouts) > MAX_ROLLOUTS:
-            self._rollouts.popitem(last=False)
+            replaced += self._rollouts.popitem(last=False)[1]
+        self.texts.drop(c.last_call_id for c in replaced)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
     def forget(self, rollout_id: str) -> None:
-        self._rollouts.pop(rollout_id, None)
+        self.texts.drop(c.last_call_id for c in self._rollouts.pop(rollout_id, ()))
 
     def chains(self, rollout_id: str) -> list[Chain]:
         return list(self._rollouts.get(rollout_id, ()))
 
-    # -- what chat mode would have sent (worker thread, before the record is stored) ------------
+    # -- what chat mode would have sent (`polar_exact_compare`: a worker, before the record is
+    # stored) ------------------------------------------------------------------------------------
 
     def chat_prompt_ids(self, chat: dict[str, Any]) -> list[int]:
-        inp = render_input(chat, self.flavor)
-        tok = self.tokenizer
-        with tok.lock:
-            text = tok.render(
-                inp.messages, inp.tools, inp.kwargs, generation=inp.add_generation_prompt
-            )
-            return tok.encode(text)
+        return chat_prompt_ids(self.tokenizer, self.flavor, chat)
 
     def compare(self, record: CallRecord, chat: dict[str, Any], note: dict[str, Any]) -> None:
         """Put on the record what chat mode would have sent, against what was sent: the drift
         exact-prefix mode removed (`fidelity_json["exact_prefix"]`)."""
-        sent = record.prompt_token_ids or ()
         try:
             would = self.chat_prompt_ids(chat)
         except Exception as e:
             note["chat_prompt_error"] = f"{type(e).__name__}: {e}"
         else:
-            first = next(
-                (i for i, (a, b) in enumerate(zip(sent, would, strict=False)) if a != b), None
-            )
-            if first is None and len(sent) != len(would):
-                first = min(len(sent), len(would))
-            note["chat_prompt_tokens"] = len(would)
-            note["first_diff"] = first
-            # sampled and environment tokens from the first difference on: what a chat-mode
-            # prompt would have changed under the policy
-            note["drift_tokens"] = 0 if first is None else len(sent) - first
+            note.update(prompt_drift(record.prompt_token_ids or (), would))
         put_note(record, note)
 
     def submit(
@@ -385,6 +410,30 @@ class ExactPrefix:
     async def drain(self) -> None:
         while self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+def chat_prompt_ids(tok: PolicyTokenizer, flavor: str, chat: dict[str, Any]) -> list[int]:
+    """The prompt ids chat mode would have had: the whole conversation rendered with the chat
+    template and tokenized. O(conversation): a long session's last call is 80k tokens, a quarter
+    of a second of tokenizing, so the proxy does it only with `polar_exact_compare`."""
+    inp = render_input(chat, flavor)
+    with tok.lock:
+        text = tok.render(inp.messages, inp.tools, inp.kwargs, generation=inp.add_generation_prompt)
+        return tok.encode(text)
+
+
+def prompt_drift(sent: Sequence[int], would: Sequence[int]) -> dict[str, Any]:
+    """How a token-in prompt differs from chat mode's: `first_diff` (None: identical) and
+    `drift_tokens`, the sampled and environment tokens from there on: what a chat-mode prompt
+    would have changed under the policy."""
+    first = next((i for i, (a, b) in enumerate(zip(sent, would, strict=False)) if a != b), None)
+    if first is None and len(sent) != len(would):
+        first = min(len(sent), len(would))
+    return {
+        "chat_prompt_tokens": len(would),
+        "first_diff": first,
+        "drift_tokens": 0 if first is None else len(sent) - first,
+    }
 
 
 def put_note(record: CallRecord, note: dict[str, Any]) -> None:

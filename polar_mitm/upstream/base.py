@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -20,7 +21,7 @@ log = logging.getLogger("polar_mitm")
 class TokenTally:
     """What the server told us about tokens for one call."""
 
-    prompt_ids: list[int] | None = None
+    prompt_ids: Sequence[int] | None = None  # a list from a reply, int32 array when sent
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -113,10 +114,12 @@ class Upstream(ABC):
         return self.base_url + (self.token_in_path or "")
 
     def token_in_body(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+        self, prompt_ids: Any, sampling: dict[str, Any], *, model: str | None, stream: bool
     ) -> dict[str, Any]:
-        """The token-in request: `prompt_ids` verbatim, the chat request's sampling parameters
-        (`exact_prefix.sampling`: OpenAI names, `max_tokens` always set) in this server's form."""
+        """The token-in request: `prompt_ids` verbatim (a list of ids, or their JSON list as a
+        `msgspec.Raw`: the proxy keeps a long chain's text), the chat request's sampling
+        parameters (`exact_prefix.sampling`: OpenAI names, `max_tokens` always set) in this
+        server's form."""
         raise NotImplementedError(f"{self.kind} has no token-in endpoint")
 
     def token_in_unsupported(self, sampling: dict[str, Any]) -> str | None:

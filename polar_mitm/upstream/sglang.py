@@ -19,10 +19,11 @@ Token-in (exact-prefix mode): SGLang's native ``POST /generate`` with ``input_id
 ``sampling_params``, which rejects unknown keys (400, ``unknown field `min_tokens```): the chat
 names are mapped (``max_tokens`` -> ``max_new_tokens``, ``min_tokens`` -> ``min_new_tokens``,
 ``seed`` -> ``sampling_seed``, ``include_stop_str_in_output`` -> ``no_stop_trim``) and a
-parameter with no SGLang form sends the call the chat way. ``return_logprob``,
-``return_text_in_logprobs`` (else the triples' text is null) and ``return_prompt_token_ids`` (the
-prompt the server ran, checked against ours). The reply is ``{"text", "output_ids",
-"prompt_token_ids", "meta_info": {"finish_reason": {"type", "matched" | "length" | "message"},
+parameter with no SGLang form sends the call the chat way. ``return_logprob`` and
+``return_text_in_logprobs`` (else the triples' text is null); not ``return_prompt_token_ids``: the
+proxy sent the prompt's ids itself, and an echo of them is the largest part of a long call's reply
+(``meta_info.prompt_tokens`` is checked against the ids sent instead). The reply is ``{"text",
+"output_ids", "meta_info": {"finish_reason": {"type", "matched" | "length" | "message"},
 "prompt_tokens", "completion_tokens", "output_token_logprobs"}}``; a finish of type ``abort``
 (HTTP 200) is a failed call, not a ``stop``.
 
@@ -242,7 +243,7 @@ class SGLang(Upstream):
         return None
 
     def token_in_body(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+        self, prompt_ids: Any, sampling: dict[str, Any], *, model: str | None, stream: bool
     ) -> dict[str, Any]:
         params = {_SAMPLING_NAMES.get(k, k): v for k, v in sampling.items()}
         unknown = sorted(set(params) - _SGLANG_SAMPLING)
@@ -253,7 +254,6 @@ class SGLang(Upstream):
             "sampling_params": params,
             "return_logprob": True,
             "return_text_in_logprobs": True,
-            "return_prompt_token_ids": True,
             "stream": False,
         }
 
@@ -264,9 +264,7 @@ class SGLang(Upstream):
             raise TypeError(f"text is {type(text).__name__}, not a string")
         piece.text = text or ""
         ids = obj.pop("output_ids", None)
-        prompt = obj.pop("prompt_token_ids", None)
-        if isinstance(prompt, list):
-            tally.prompt_ids = [int(i) for i in prompt]  # checked against ours (exchange)
+        obj.pop("prompt_token_ids", None)  # not asked for: the ids sent are the prompt
         meta = obj.pop("meta_info", None)
         meta = meta if isinstance(meta, dict) else {}
         triples = meta.get("output_token_logprobs")

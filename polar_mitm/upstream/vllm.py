@@ -6,11 +6,15 @@ Reply: top-level `prompt_token_ids` (in a stream: the first chunk only), per cho
 (in a stream: that chunk's new ids) and `logprobs.content[]`.
 
 Token-in (exact-prefix mode): `POST /v1/completions` with `prompt` as a list of ids,
-`return_token_ids`, `logprobs: 0` (the sampled token's logprob only). The reply carries
-`prompt_token_ids` and `token_ids` per choice (in a stream: prompt ids in the first chunk, each
-chunk's new ids), `logprobs.token_logprobs` / `logprobs.tokens`, `text`, `finish_reason` and
-`stop_reason`. vLLM's completions default `max_tokens` is 16 (a `null` is reset to it), so the
-body always carries the real cap. Fields as in vLLM's `entrypoints/openai/completion/protocol.py`.
+`logprobs: 0` (the sampled token's logprob only) and `return_tokens_as_token_ids`, which writes
+each sampled token in `logprobs.tokens` as `"token_id:N"`: the sampled ids and their logprobs,
+and nothing else. Not `return_token_ids`: it echoes the whole prompt's ids too (the first chunk
+of a stream), which the proxy sent itself — 436 KB of JSON at 60k tokens, for the server to write
+and the proxy to read on every call. The reply carries, per choice, `text`,
+`logprobs.token_logprobs` / `logprobs.tokens`, `finish_reason` and `stop_reason`, and `usage`
+(its `prompt_tokens` is checked against the ids sent). vLLM's completions default `max_tokens` is
+16 (a `null` is reset to it), so the body always carries the real cap. Fields as in vLLM's
+`entrypoints/openai/completion/{protocol,serving}.py` (`_create_completion_logprobs`, 0.32/0.33).
 """
 
 from __future__ import annotations
@@ -62,14 +66,14 @@ class VLLM(Upstream):
             tally.finish_reason = finish
 
     def token_in_body(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, model: str | None, stream: bool
+        self, prompt_ids: Any, sampling: dict[str, Any], *, model: str | None, stream: bool
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": prompt_ids, **sampling}
         if model:
             body["model"] = model
         body["stream"] = stream
-        body["return_token_ids"] = True
         body["logprobs"] = 0
+        body["return_tokens_as_token_ids"] = True
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -79,22 +83,17 @@ class VLLM(Upstream):
         choices = obj.pop("choices", None) or ()
         if choices:
             choice = choices[0]
-            prompt = choice.get("prompt_token_ids")
-            if prompt is not None:
-                tally.prompt_ids = prompt
-            ids = choice.get("token_ids")
-            if ids is not None:
-                tally.saw_output_ids = True
-                tally.output_ids.extend(ids)
-                piece.ids = ids
             logprobs = choice.get("logprobs")
             if isinstance(logprobs, dict):
-                values = [
-                    float(v) if v is not None else 0.0 for v in logprobs.get("token_logprobs") or ()
-                ]
-                tally.logprobs.extend(values)
-                piece.logprobs = values
-                piece.tokens = [str(t) for t in logprobs.get("tokens") or ()]
+                tokens = logprobs.get("tokens") or ()
+                values = logprobs.get("token_logprobs") or ()
+                if len(values) != len(tokens):
+                    raise ValueError(f"{len(tokens)} tokens but {len(values)} logprobs")
+                piece.ids = [_token_id(t) for t in tokens]
+                piece.logprobs = [float(v) if v is not None else 0.0 for v in values]
+                tally.saw_output_ids = True
+                tally.output_ids.extend(piece.ids)
+                tally.logprobs.extend(piece.logprobs)
             text = choice.get("text")
             if text is not None and not isinstance(text, str):
                 raise TypeError(f"text is {type(text).__name__}, not a string")
@@ -109,3 +108,13 @@ class VLLM(Upstream):
         if tally.model is None:
             tally.model = obj.get("model")
         return piece
+
+
+_TOKEN_ID = "token_id:"
+
+
+def _token_id(token: Any) -> int:
+    """A sampled token as `return_tokens_as_token_ids` writes it: ``"token_id:N"``."""
+    if not isinstance(token, str) or not token.startswith(_TOKEN_ID):
+        raise ValueError(f"logprobs token {str(token)[:40]!r} is not 'token_id:N'")
+    return int(token[len(_TOKEN_ID) :])

@@ -1,0 +1,98 @@
+"""The token-in request exact-prefix mode sends to vLLM, and the reference server's answer to it
+in vLLM 0.32/0.33's shapes (`vllm/entrypoints/openai/completion/serving.py`): with `logprobs: 0`
+and `return_tokens_as_token_ids` the sampled ids come back as `"token_id:N"` names, and the
+prompt's ids never come back (no `return_token_ids`), in a stream or a whole reply."""
+
+from __future__ import annotations
+
+import json
+
+from polar_mitm.assets import qwen3_tokenizer_dir
+from polar_mitm.policy_server.render import Renderer
+from polar_mitm.tokens.conversation import render_input
+from polar_mitm.upstream import UPSTREAMS, TokenTally
+
+from .test_sglang import TOOL_TURN, _serve
+
+
+def _events(text: str) -> list[dict]:
+    data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_the_proxy_asks_for_sampled_ids_without_the_prompt_echo():
+    vllm = UPSTREAMS["vllm"]("http://x")
+    body = vllm.token_in_body([1, 2, 3], {"max_tokens": 9}, model="m", stream=True)
+    assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True
+    assert "return_token_ids" not in body and body["prompt"] == [1, 2, 3]
+    assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 9
+
+
+def test_reference_completions_answer_as_vllm_does():
+    renderer = Renderer(qwen3_tokenizer_dir())
+    prompt = list(renderer.prompt(render_input(TOOL_TURN)).ids)
+    vllm = UPSTREAMS["vllm"]("http://x")
+    sent = vllm.token_in_body(prompt, {"max_tokens": 64}, model=None, stream=True)
+    whole = vllm.token_in_body(prompt, {"max_tokens": 64}, model=None, stream=False)
+    echo = {**sent, "return_token_ids": True}
+    echo.pop("return_tokens_as_token_ids")
+    (s1, streamed), (s2, reply), (s3, echoed) = _serve("vllm", raw=True)(
+        ("POST", "/v1/completions", sent),
+        ("POST", "/v1/completions", whole),
+        ("POST", "/v1/completions", echo),
+    )
+    assert s1 == s2 == s3 == 200
+    chunks = _events(streamed)
+    *tokens, usage = chunks
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == len(prompt)
+    for chunk in tokens:
+        [choice] = chunk["choices"]
+        # set on every chunk by vLLM (exclude_unset keeps them): null without return_token_ids
+        assert choice["prompt_token_ids"] is None and choice["token_ids"] is None
+        lp = choice["logprobs"]
+        assert all(t.startswith("token_id:") for t in lp["tokens"])
+        assert lp["top_logprobs"] == [
+            {t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"], strict=True)
+        ]
+    # the names' lengths advance the offsets, across chunks too
+    offsets = [o for c in tokens for o in c["choices"][0]["logprobs"]["text_offset"]]
+    names = [t for c in tokens for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert offsets == [sum(len(n) for n in names[:i]) for i in range(len(names))]
+    tally = TokenTally()
+    for chunk in chunks:
+        vllm.take_text(chunk, tally)
+    # the same ids the echoing request gets as token_ids (what the proxy asked for before)
+    echo_ids = [i for c in _events(echoed)[:-1] for i in c["choices"][0]["token_ids"]]
+    assert tally.output_ids == echo_ids and len(tally.logprobs) == len(echo_ids)
+    assert _events(echoed)[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert tally.finish_reason == "stop" and tally.prompt_ids is None
+    whole_reply = json.loads(reply)
+    [choice] = whole_reply["choices"]
+    assert choice["prompt_token_ids"] is None and choice["token_ids"] is None
+    whole_tally = TokenTally()
+    vllm.take_text(whole_reply, whole_tally)
+    assert whole_tally.output_ids == echo_ids and whole_tally.logprobs == tally.logprobs
+
+
+def test_the_reference_server_decodes_only_what_a_prompt_adds():
+    """`Renderer.decode_prompt` reuses the text of an earlier prompt up to its last special
+    token; whatever the split, the text is the whole prompt decoded at once (here with
+    multi-byte characters cut between ids in the new part)."""
+    renderer = Renderer(qwen3_tokenizer_dir())
+    system = "You are an agent. 日本語のテキスト ✓ " * 60  # longer than the 256 ids it is known by
+    messages = [{"role": "system", "content": system}]
+    prompts = []
+    for turn in range(4):
+        messages += [
+            {"role": "user", "content": f"turn {turn}: 🙂 naïve café 漢字 " * (turn + 1)},
+            {"role": "assistant", "content": f"reply {turn} ✓"},
+        ]
+        prompts.append(list(renderer.prompt(render_input({"messages": messages})).ids))
+    emoji = renderer.encode_text("🙂🙂", add_special_tokens=False)
+    prompts.append(prompts[-1] + emoji[:1])  # ends inside a character
+    for prompt in prompts:
+        assert renderer.decode_prompt(prompt) == renderer.decode(prompt)
+    [entries] = renderer._texts.values()  # one conversation, its longest prompt first
+    assert [n for n, _, _ in entries] == sorted((n for n, _, _ in entries), reverse=True)
+    assert len(prompts[-3]) < entries[0][0] < len(prompts[-2])
