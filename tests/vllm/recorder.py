@@ -48,22 +48,34 @@ class Exchange:
 
     def sampled(self) -> tuple[list[int], list[int], list[float]]:
         """(prompt ids, output ids, output logprobs) the engine returned, chat or completions,
-        streamed or not."""
+        streamed or not. A token-in request (a list of ids as `prompt`) is not echoed back
+        (the proxy asks `return_tokens_as_token_ids` instead of `return_token_ids`): its prompt
+        is the ids sent, checked against the engine's `usage.prompt_tokens`, and its sampled
+        ids are the logprobs' ``token_id:N`` names."""
         chunks = self.events if self.stream else [self.reply]
+        sent = self.body.get("prompt") if isinstance(self.body, dict) else None
         prompt: list[int] = []
         out: list[int] = []
         lps: list[float] = []
+        usage: dict = {}
         for chunk in chunks:
+            usage = chunk.get("usage") or usage
             if chunk.get("prompt_token_ids"):
                 prompt = chunk["prompt_token_ids"]
             for choice in chunk.get("choices") or ():
                 prompt = choice.get("prompt_token_ids") or prompt
-                out += choice.get("token_ids") or []
                 logprobs = choice.get("logprobs") or {}
+                ids = choice.get("token_ids")
+                if ids is None and "tokens" in logprobs:
+                    ids = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+                out += ids or []
                 if "content" in logprobs:
                     lps += [e["logprob"] for e in logprobs["content"] or ()]
                 else:
                     lps += logprobs.get("token_logprobs") or []
+        if not prompt and isinstance(sent, list):
+            assert usage.get("prompt_tokens") == len(sent), (usage, len(sent))
+            prompt = sent
         return prompt, out, lps
 
 
