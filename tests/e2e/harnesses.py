@@ -8,6 +8,7 @@ environment made of nothing but `polar-mitm env` output, PATH/HOME, and an API k
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -19,6 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "scripts" / "install_harnesses.sh"
+INSTALL_LOCK = (
+    Path.home() / ".cache" / "polar-mitm" / ".harness-install.lock"
+)  # scripts/test.sh's too
 PINS = json.loads((ROOT / "tests" / "e2e" / "npm" / "package.json").read_text())["dependencies"]
 
 PROMPT = "Create a file named hello.txt containing exactly the text: polar was here"
@@ -35,8 +39,12 @@ class InstallError(RuntimeError):
 
 
 def install() -> Path:
-    """Run the install script (idempotent: a stamp check when nothing changed); the bin dir."""
-    r = subprocess.run([str(INSTALL)], capture_output=True, text=True, timeout=900)
+    """Run the install script (idempotent: a stamp check when nothing changed); the bin dir.
+    One install at a time per machine (pytest-xdist workers, scripts/test.sh): INSTALL_LOCK."""
+    INSTALL_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(INSTALL_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        r = subprocess.run([str(INSTALL)], capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise InstallError(
             f"{INSTALL.name} failed (rc={r.returncode}): the pinned harnesses could not be "
