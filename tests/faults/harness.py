@@ -8,6 +8,7 @@ one summary line (faults injected / survived, fuzz cases / crashes, calls / lost
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import secrets as _secrets
 from collections.abc import Callable, Iterator
@@ -203,6 +204,16 @@ class Ledger:
             needle = json.dumps(text)[1:-1]
             if sum(needle in b for b in blob) != 1:
                 self.lost += 1
+
+    def merge(self, other: Ledger) -> None:
+        """Add another process's figures (a pytest-xdist worker's)."""
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "secrets_found":
+                if theirs is not None:
+                    self.secrets_found = (mine or 0) + theirs
+            else:
+                setattr(self, f.name, mine + theirs)
 
     def line(self) -> str:
         secrets = "not checked" if self.secrets_found is None else str(self.secrets_found)
