@@ -12,6 +12,9 @@ from polar_mitm.certs import ensure_ca
 from .procs import Mitm, PolicyServer, start_mitm, start_policy_server
 from .s3 import moto_s3, s3_env  # noqa: F401 - fixtures: an S3 server on loopback, AWS env
 
+# Per-test time limits that fail the test, never the run; servers shared by all xdist workers.
+pytest_plugins = ["tests.time_limits", "tests.shared_servers", "tests.xdist_groups"]
+
 
 @pytest.fixture(scope="session")
 def confdir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -125,7 +125,7 @@ def start_policy_server(
         args += ["--scenario", str(scenario)]
     args += list(extra)
     proc = Proc(args, tmp / f"{name}.log")
-    match = proc.wait_for(r"policy-server listening on (http://\S+)", timeout=90)
+    match = proc.wait_for(r"policy-server listening on (http://\S+)", timeout=120)
     return PolicyServer(proc, match.group(1))
 
 
@@ -187,7 +187,7 @@ def start_mitm(
     for key, value in opts.items():
         args += ["--set", f"{key}={value}"]
     proc = Proc(args, tmp / f"{name}.log")
-    proc.wait_for(r"proxy listening at", timeout=60)
+    proc.wait_for(r"proxy listening at", timeout=120)
     if ready is not None:
-        proc.wait_for(ready, timeout=30)
+        proc.wait_for(ready, timeout=120)
     return Mitm(proc, port, confdir, output, opts, listen_host)

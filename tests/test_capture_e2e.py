@@ -27,6 +27,7 @@ from .clients import (
 )
 from .procs import MITMDUMP, ROOT, Proc, free_port
 from .upstreams import direct_ids, expected_prompt_ids
+from .waits import wait_until
 
 SCENARIO = Path(__file__).parent / "scenarios" / "three_turns.json"
 
@@ -144,16 +145,14 @@ def test_streaming_is_live(make_policy_server, make_mitm, upstream_kind):
     assert row["ids_source"] == "upstream" and row["trainable"] is True
 
 
-def wait_for_upstream_request(server_url: str, timeout: float = 20.0) -> dict:
+def wait_for_upstream_request(server_url: str) -> dict:
     """Block until the policy server has received a chat request (a handshake, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def chats() -> list[dict]:
         log = httpx.get(server_url + "/_polar/requests", timeout=10).json()
-        chats = [e for e in log if e["path"] == "/v1/chat/completions"]
-        if chats:
-            return chats[-1]
-        time.sleep(0.05)
-    raise AssertionError("the proxy never sent the chat request upstream")
+        return [e for e in log if e["path"] == "/v1/chat/completions"]
+
+    return wait_until(chats, "the proxy to send the chat request upstream")[-1]
 
 
 def test_rollout_identity_sources(make_policy_server, make_mitm):

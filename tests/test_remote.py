@@ -6,7 +6,9 @@ away and comes back; pyarrow reads the shards back. Credentials come from the en
 
 from __future__ import annotations
 
-import time
+import contextlib
+import socket
+import threading
 from pathlib import Path
 
 import pyarrow.dataset as ds
@@ -15,22 +17,17 @@ import pytest
 
 from polar_mitm.store import SCHEMA_VERSION, Store, list_shards, read_table
 from polar_mitm.store.journal import list_segments
-from polar_mitm.store.remote import RemoteOutputError, display_uri, s3_filesystem
+from polar_mitm.store.remote import (
+    DEFAULT_RETRIES,
+    RemoteOutputError,
+    display_uri,
+    s3_filesystem,
+)
 
 from .clients import grep_bytes, http_client
 from .s3 import ACCESS_KEY, SECRET_KEY, MotoS3
 from .test_capture_e2e import SCENARIO
-
-
-def wait_until(predicate, timeout: float = 30.0, every: float = 0.1) -> bool:
-    """Poll external state (a bucket) until ``predicate``; the timeout is only a failure guard."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every)
-    return predicate()
-
+from .waits import wait_until
 
 # -- the URI form --------------------------------------------------------------------------------
 
@@ -74,17 +71,26 @@ def test_bucket_and_prefix_become_the_root() -> None:
 
 def test_a_dead_endpoint_fails_an_upload_fast(s3_env) -> None:
     """The AWS client's default retries make a failed upload take seconds per attempt; the
-    store retries by itself (rows stay in the journal), so one attempt must fail quickly."""
-    server = MotoS3()
-    port = server.port
-    server.stop()  # nothing listens there now
-    fs, _ = s3_filesystem(f"s3://bucket/p?endpoint_override=127.0.0.1:{port}&scheme=http")
-    started = time.monotonic()
-    with pytest.raises(OSError), fs.open_output_stream("bucket/p/x.parquet") as out:
-        out.write(b"x")
-    # retries=2 (the default): at most one jittered backoff of up to ~1 s; pyarrow's own default
-    # (3 attempts) takes ~2.7 s here against a refused port, more against a silent one
-    assert time.monotonic() - started < 1.5
+    store retries by itself (rows stay in the journal), so one upload must give up quickly:
+    after DEFAULT_RETRIES attempts (2: one jittered backoff of up to ~1 s; pyarrow's own 3 take
+    ~2.7 s against a refused port, more against a silent one). Counted at an endpoint that
+    hangs up on every connection, not timed: a busy machine makes any attempt slow."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        attempts = []
+        threading.Thread(target=_hang_up_on_all, args=(listener, attempts), daemon=True).start()
+        port = listener.getsockname()[1]
+        fs, _ = s3_filesystem(f"s3://bucket/p?endpoint_override=127.0.0.1:{port}&scheme=http")
+        with pytest.raises(OSError), fs.open_output_stream("bucket/p/x.parquet") as out:
+            out.write(b"x")
+    assert len(attempts) == DEFAULT_RETRIES == 2
+
+
+def _hang_up_on_all(listener: socket.socket, attempts: list) -> None:
+    with contextlib.suppress(OSError):  # the listener closed: the test is over
+        while True:
+            conn, _ = listener.accept()
+            attempts.append(conn.getpeername())
+            conn.close()
 
 
 # -- through the proxy ---------------------------------------------------------------------------
@@ -122,7 +128,7 @@ def test_s3_output_survives_an_outage_and_reads_back(
 
     for i in range(2):
         _call(mitm, f"s3.{i}")
-    assert wait_until(lambda: in_bucket() == {"s3.0", "s3.1"})
+    wait_until(lambda: in_bucket() == {"s3.0", "s3.1"}, "both rollouts' shards in the bucket")
 
     moto_s3.stop()
     for i in range(2, 5):
@@ -132,7 +138,7 @@ def test_s3_output_survives_an_outage_and_reads_back(
     assert set(grep_bytes(journal, ["s3.2", "s3.3", "s3.4"])) == {"s3.2", "s3.3", "s3.4"}
 
     moto_s3.start()  # the same bucket comes back: the proxy's own retry uploads the backlog
-    assert wait_until(lambda: len(in_bucket()) == 5, timeout=60)
+    wait_until(lambda: len(in_bucket()) == 5, "five rollouts' shards in the bucket")
     assert mitm.stop() == 0
     assert not list_segments(str(journal))
 

@@ -45,6 +45,8 @@ from polar_mitm.store.journal import (
     read_segment,
 )
 
+from .waits import wait_until
+
 T0 = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z in microseconds
 DAY = 86_400_000_000
 
@@ -100,15 +102,6 @@ def write_segment(jdir: Path, n: int, records: list[tuple[str, dict]]) -> Path:
     return jdir / journal_mod.segment_name(n)
 
 
-def wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 @pytest.fixture
 def out(tmp_path: Path) -> Path:
     return tmp_path / "polar-data"
@@ -125,7 +118,7 @@ def test_round_trip_types_and_timestamps(out: Path) -> None:
         for row in rows:
             store.append("calls", row)
         store.append("traces", trace_row(1))
-        assert store.flush(timeout=10)
+        assert store.flush(timeout=30)
     table = read_table(out, "calls")
     assert table.schema.remove_metadata() == CALLS_SCHEMA
     assert table.to_pylist() == pa.Table.from_pylist(rows, schema=CALLS_SCHEMA).to_pylist()
@@ -196,10 +189,10 @@ def test_flush_rows_threshold_makes_multiple_shards(out: Path) -> None:
         for batch in range(3):
             for i in range(10):
                 store.append("calls", call_row(batch * 10 + i))
-            assert store.sync(timeout=5)
-            assert wait_until(lambda b=batch: store.stats["shards_written"] >= b + 1)
+            assert store.sync(timeout=30)
+            wait_until(lambda b=batch: store.stats["shards_written"] >= b + 1, "a shard")
         store.append("calls", call_row(99))  # below the threshold: written by close()
-        assert store.sync(timeout=5)
+        assert store.sync(timeout=30)
         time.sleep(0.1)
         assert store.stats["rows_in_shards"] == 30
     assert len(list_shards(out, "calls")) == 4
@@ -209,10 +202,10 @@ def test_flush_rows_threshold_makes_multiple_shards(out: Path) -> None:
 def test_flush_age_and_bytes_thresholds(out: Path) -> None:
     with Store(out, flush_age_s=0.2) as store:
         store.append("calls", call_row(1))
-        assert wait_until(lambda: len(list_shards(out, "calls")) == 1, timeout=5)
+        wait_until(lambda: len(list_shards(out, "calls")) == 1, "the shard by age")
     with Store(out, flush_bytes=2000, flush_age_s=3600) as store:
         store.append("calls", call_row(2, request_json="x" * 3000))
-        assert wait_until(lambda: len(list_shards(out, "calls")) == 2, timeout=5)
+        wait_until(lambda: len(list_shards(out, "calls")) == 2, "the shard by size")
 
 
 def test_flush_and_close(out: Path) -> None:
@@ -220,11 +213,11 @@ def test_flush_and_close(out: Path) -> None:
     assert store.start().clean
     for i in range(5):
         store.append("calls", call_row(i))
-    assert store.sync(timeout=5)
+    assert store.sync(timeout=30)
     segments = list_segments(str(journal_dir(out)))
     assert len(segments) == 1 and len(read_segment(segments[0][1])[0]) == 5  # "captured"
     assert list_shards(out, "calls") == []
-    assert store.flush(timeout=5)
+    assert store.flush(timeout=30)
     assert read_table(out, "calls").num_rows == 5
     store.append("calls", call_row(5))
     store.close()
@@ -249,7 +242,7 @@ def test_append_never_raises_and_counts_bad_rows(out: Path, caplog) -> None:
         store.append("calls", call_row(4, rollout_id=None))  # required column
         store.append("calls", call_row(5, not_a_column=1))  # ignored, warned once
         store.append("calls", call_row(6))
-        assert store.flush(timeout=5)
+        assert store.flush(timeout=30)
         stats = store.stats
     assert stats["dropped"] == 3 and stats["rejected"] == 2
     assert read_table(out, "calls").column("call_id").to_pylist() == ["call-5", "call-6"]
@@ -293,7 +286,7 @@ def test_sync_group_commit_uses_few_fsyncs(out: Path) -> None:
     with Store(out) as store:
         for i in range(2000):
             store.append("calls", call_row(i))
-        assert store.sync(timeout=10)
+        assert store.sync(timeout=30)
         assert store.stats["fsyncs"] < 200
 
 
@@ -314,7 +307,7 @@ CRASH_SCRIPT = textwrap.dedent(
             assert store.flush(10)  # the first half is in shards before the crash
     for i in range(5):
         store.append("traces", trace_row(i))
-    assert store.sync(10)
+    assert store.sync(30)
     os._exit(9)  # no close, no atexit: like SIGKILL right after the fsync
     """
 )
@@ -530,7 +523,7 @@ def test_journal_write_failure_is_retried(out: Path, monkeypatch) -> None:
     with Store(out) as store:
         for i in range(10):
             store.append("calls", call_row(i))
-        assert store.sync(timeout=10)
+        assert store.sync(timeout=30)
         assert store.stats["journal_failures"] == 1
         assert "EIO" in store.stats["last_error"]
     raw = read_table(out, "calls", dedup=False)
@@ -621,7 +614,7 @@ def test_upload_failure_keeps_rows_and_retries(tmp_path: Path) -> None:
     store.start()
     for i in range(20):
         store.append("calls", call_row(i))
-    assert store.sync(timeout=5)
+    assert store.sync(timeout=30)
     assert not store.flush(timeout=1.0)
     stats = store.stats
     assert "bucket unreachable" in stats["last_error"] and stats["shard_failures"] >= 1
@@ -630,7 +623,7 @@ def test_upload_failure_keeps_rows_and_retries(tmp_path: Path) -> None:
     time.sleep(0.6)
     assert handler.attempts - attempts <= 2  # backoff, not a busy loop
     handler.down = False
-    assert store.flush(timeout=10)
+    assert store.flush(timeout=30)
     store.close()
     assert read_table("data", "calls", filesystem=fs).num_rows == 20
     assert list_segments(str(jdir)) == []
@@ -752,7 +745,7 @@ def test_failure_midway_through_a_backlog_writes_nothing_twice(tmp_path: Path) -
     store = Store("data", journal_dir=jdir, filesystem=fs, flush_rows=5)
     report = store.start()
     assert report.error and len(report.shards) == 1
-    assert store.flush(timeout=10)
+    assert store.flush(timeout=30)
     store.close()
     raw = read_table("data", "calls", filesystem=fs, dedup=False)
     assert raw.num_rows == 30 and len(set(raw.column("call_id").to_pylist())) == 30
@@ -772,11 +765,17 @@ def test_rows_spill_to_the_journal_during_a_long_outage(tmp_path: Path) -> None:
         store.append("calls", call_row(i))
         if i % 10 == 9:
             assert store.sync(5)
-    assert wait_until(lambda: store.stats["spills"] >= 1)
-    held = sum(p.memory_bytes() for p in store._pending.values())
-    assert held <= 20_000 + 30_000 and store.stats["pending_rows"] == 60
+
+    def spilled() -> tuple[int] | None:
+        held = sum(p.memory_bytes() for p in store._pending.values())
+        return (held,) if store.stats["spills"] >= 1 and store.stats["pending_rows"] == 60 else None
+
+    # A shard write tried while the bucket is down (one per backoff) takes the rows out of
+    # `pending_rows` until it fails: wait for a moment between two tries, not a lucky instant.
+    [held] = wait_until(spilled, "a spill with all 60 rows still pending")
+    assert held <= 20_000 + 30_000
     handler.down = False
-    assert store.flush(timeout=20)
+    assert store.flush(timeout=30)
     store.close()
     raw = read_table("data", "calls", filesystem=fs, dedup=False)
     assert sorted(raw.column("call_id").to_pylist()) == sorted(f"call-{i}" for i in range(60))
@@ -877,7 +876,7 @@ def test_a_multi_day_flush_failing_midway_writes_no_day_twice(tmp_path: Path) ->
     store.start()
     for i in range(6):
         store.append("calls", call_row(i, started_at=T0 + (i % 2) * DAY))
-    assert store.flush(timeout=10)
+    assert store.flush(timeout=30)
     store.close()
     raw = read_table("data", "calls", filesystem=fs, dedup=False)
     assert sorted(raw.column("call_id").to_pylist()) == sorted(f"call-{i}" for i in range(6))
@@ -892,11 +891,11 @@ def test_journaled_futures_resolve_after_the_fsync(out: Path) -> None:
     early = store.journaled(store.append("calls", call_row(0)))  # before start: waits
     assert not early.done()
     store.start()
-    assert early.result(timeout=10) is True
+    assert early.result(timeout=30) is True
     seqs = [store.append("calls", call_row(i)) for i in range(1, 50)]
     assert seqs == list(range(2, 51))
     futures = [store.journaled(s) for s in seqs]
-    assert all(f.result(timeout=10) for f in futures)
+    assert all(f.result(timeout=30) for f in futures)
     assert store.stats["journaled"] >= 50  # resolved only once journaled
     assert store.journaled(0).result(timeout=0) is True  # a dropped row: nothing to wait for
     store.close()
@@ -907,7 +906,7 @@ def test_journaled_is_false_when_the_store_closes_unstarted(out: Path) -> None:
     store = Store(out)
     future = store.journaled(store.append("calls", call_row(0)))
     store.close()
-    assert future.result(timeout=1) is False
+    assert future.result(timeout=30) is False
 
 
 def test_a_journaled_future_given_up_on_does_not_disturb_the_journal(out: Path) -> None:
@@ -915,8 +914,8 @@ def test_a_journaled_future_given_up_on_does_not_disturb_the_journal(out: Path) 
     cancelled = store.journaled(store.append("calls", call_row(0)))
     assert cancelled.cancel()  # what asyncio.wait_for + wrap_future do on a timeout
     store.start()
-    assert store.sync(10) and store.stats["journal_failures"] == 0
+    assert store.sync(30) and store.stats["journal_failures"] == 0
     later = store.journaled(store.append("calls", call_row(1)))
-    assert later.result(timeout=10) is True
+    assert later.result(timeout=30) is True
     store.close()
     assert read_table(out, "calls").num_rows == 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from polar_mitm.store import read_table
 
 from .clients import RUN_SHELL, grep_bytes, http_client
 from .procs import start_policy_server
+from .waits import wait_until
 
 SCENARIO = Path(__file__).parent / "scenarios" / "trajectories.json"
 TOKEN = "ctl-s3cret-token-4f9a1c"
@@ -135,17 +135,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
-
-
-def wait_until(predicate: Callable[[], object], what: str, timeout: float = 20.0):
-    """Poll a condition the test cannot wait on otherwise (a guard, not a sleep-for-sync)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- merging ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ node_modules/.bin, which holds the Node.js the harnesses need when the machine's
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -23,6 +24,9 @@ from polar_mitm.nemo_gym import harness as agent_harness
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "scripts" / "install_harnesses.sh"
+INSTALL_LOCK = (
+    Path.home() / ".cache" / "polar-mitm" / ".harness-install.lock"
+)  # scripts/test.sh's too
 PIN_SETS = {"current": "", "previous": "previous"}
 PIN_SET = os.environ.get("POLAR_HARNESS_PINS") or "current"
 if PIN_SET not in PIN_SETS:
@@ -49,8 +53,12 @@ class InstallError(RuntimeError):
 
 
 def install() -> Path:
-    """Run the install script (idempotent: a stamp check when nothing changed); the bin dir."""
-    r = subprocess.run([str(INSTALL)], capture_output=True, text=True, timeout=900)
+    """Run the install script (idempotent: a stamp check when nothing changed); the bin dir.
+    One install at a time per machine (pytest-xdist workers, scripts/test.sh): INSTALL_LOCK."""
+    INSTALL_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(INSTALL_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        r = subprocess.run([str(INSTALL)], capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise InstallError(
             f"{INSTALL.name} failed (rc={r.returncode}): the pinned harnesses could not be "

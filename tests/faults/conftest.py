@@ -3,6 +3,7 @@ greps for at the end), and the reference policy server it injects faults with.""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets as _secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
     ledger = config.stash.get(_LEDGER, None)
     if ledger is not None:
         terminalreporter.write_line(ledger.line())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its figures to the controller, which prints the one line."""
+    ledger = session.config.stash.get(_LEDGER, None)
+    if ledger is not None and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["polar_ledger"] = dataclasses.asdict(ledger)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ARG001 - the xdist controller's hook
+    figures = getattr(node, "workeroutput", {}).get("polar_ledger")
+    if figures is not None:
+        ledger = node.config.stash.setdefault(_LEDGER, Ledger())
+        ledger.merge(Ledger(**figures))
 
 
 class SecretBook:

@@ -8,9 +8,9 @@ one summary line (faults injected / survived, fuzz cases / crashes, calls / lost
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import secrets as _secrets
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ import httpx
 from polar_mitm.store import read_table
 
 from ..procs import Mitm
+from ..waits import SLOW_MACHINE, wait_until
 from .dialects import DialectRow, ErrorShape, StreamResult
 
 
@@ -147,18 +148,20 @@ def records(mitm: Mitm) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["started_at"])
 
 
-def live_records(mitm: Mitm, texts: list[str], timeout: float = 30.0) -> list[dict[str, Any]]:
+def live_records(
+    mitm: Mitm, texts: list[str], timeout: float = SLOW_MACHINE
+) -> list[dict[str, Any]]:
     """The calls rows of a running proxy once every one of `texts` has its record (a proxy
     started with polar_flush_rows=1 writes each record as a shard of its own)."""
     needles = [json.dumps(t)[1:-1] for t in texts]
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def complete() -> list[dict[str, Any]]:
         rows = read_table(str(mitm.output), "calls").to_pylist()
         blob = [r["request_json"] or "" for r in rows]
-        if all(any(n in b for b in blob) for n in needles):
-            return sorted(rows, key=lambda r: r["started_at"])
-        assert time.monotonic() < deadline, f"no record for some of {texts} after {timeout}s"
-        time.sleep(0.05)
+        return rows if all(any(n in b for b in blob) for n in needles) else []
+
+    rows = wait_until(complete, f"the records of {texts}", timeout)
+    return sorted(rows, key=lambda r: r["started_at"])
 
 
 def record_of(rows: list[dict[str, Any]], text: str) -> dict[str, Any]:
@@ -201,6 +204,16 @@ class Ledger:
             needle = json.dumps(text)[1:-1]
             if sum(needle in b for b in blob) != 1:
                 self.lost += 1
+
+    def merge(self, other: Ledger) -> None:
+        """Add another process's figures (a pytest-xdist worker's)."""
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "secrets_found":
+                if theirs is not None:
+                    self.secrets_found = (mine or 0) + theirs
+            else:
+                setattr(self, f.name, mine + theirs)
 
     def line(self) -> str:
         secrets = "not checked" if self.secrets_found is None else str(self.secrets_found)

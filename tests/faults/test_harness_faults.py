@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from ..upstreams import direct_ids
+from ..waits import wait_until
 from .conftest import arm, reset_server, server_stats
 from .dialects import DialectRow, dialect_rows, row_id
 from .harness import Harness, marker, record_of, records, sse_payloads
@@ -23,14 +24,6 @@ CONCURRENT_SECONDS = float(os.environ.get("POLAR_FAULTS_CONCURRENCY_S", "10"))
 
 class Hangup(Exception):
     """Raised from a stream callback: the harness closes its connection there."""
-
-
-def wait_until(condition, timeout: float = 15.0, what: str = "condition") -> None:
-    """Poll a cheap condition (a handshake with a failure guard, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def rss_bytes(pid: int) -> int:
@@ -61,7 +54,7 @@ def test_client_hangs_up_mid_stream(row, fault_server, make_mitm, ledger, secret
     ):
         with pytest.raises(Hangup):
             harness.call(text, True, on_payload=hang_up)
-        wait_until(lambda: server_stats(fault_server).get("client_gone") == 1, what="the hang-up")
+        wait_until(lambda: server_stats(fault_server).get("client_gone") == 1, "the hang-up")
         nxt = harness.call(after, True)
         assert nxt.status == 200 and nxt.done, nxt
         rows = records(mitm)
@@ -89,7 +82,7 @@ def test_client_gives_up_before_the_reply(row, fault_server, make_mitm, ledger, 
             pytest.raises(httpx.ReadTimeout),
         ):
             harness.call(text, False)
-        wait_until(lambda: server_stats(fault_server).get("client_gone") == 1, what="the cancel")
+        wait_until(lambda: server_stats(fault_server).get("client_gone") == 1, "the cancel")
         with Harness(mitm, row, api_key=key) as harness:  # the proxy serves the next call
             nxt = harness.call(after, True)
             assert nxt.status == 200 and nxt.done and nxt.error is None, nxt
