@@ -217,3 +217,12 @@ def grep_bytes(root: Path, needles: list[str]) -> dict[str, list[str]]:
                 if needle.encode() in data:
                     found.setdefault(needle, []).append(str(path))
     return found
+
+
+def completion_ids(choice: dict) -> list[int]:
+    """The sampled ids of a /v1/completions choice: its `token_ids` when the request asked
+    `return_token_ids`, else the `token_id:N` names of its logprobs (what exact-prefix mode asks:
+    `return_tokens_as_token_ids`, so the server does not echo the prompt's ids)."""
+    if choice.get("token_ids") is not None:
+        return choice["token_ids"]
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]

@@ -43,7 +43,7 @@ from .llama_engine import Generation, LlamaEngine, SamplingParams, Step
 from .render import Prompt, Renderer
 from .scenario import Scenario, Turn
 from .server import TOKEN_FLAGS, PolicyServer, ServerConfig
-from .vllm_wire import DONE, SSE_CONTENT_TYPE, VllmWire
+from .vllm_wire import DONE, SSE_CONTENT_TYPE, SYSTEM_FINGERPRINT, VllmWire
 from .wire import ChatCall
 
 log = logging.getLogger(__name__)
@@ -171,6 +171,7 @@ class _VllmStream:
         if self.call.continuous_usage:
             chunk["usage"] = self._usage(0)
         chunk["prompt_token_ids"] = list(self.prompt_ids) if self.call.return_token_ids else None
+        chunk["prompt_text"] = None  # vLLM 0.32's first chunk names it (vllm_wire.py does too)
         return self._event(chunk)
 
     def token(
@@ -218,7 +219,8 @@ class _VllmStream:
     def usage(self) -> bytes | None:
         if not self.call.include_usage:
             return None
-        return self._event({**self.head, "choices": [], "usage": self._usage(self.sent)})
+        usage = {**self.head, "choices": [], "usage": self._usage(self.sent)}
+        return self._event({**usage, "system_fingerprint": SYSTEM_FINGERPRINT})
 
 
 class RealModelServer(PolicyServer):

@@ -38,7 +38,7 @@ def test_gemini_entry_runs_a_task_to_a_trainable_trace(
     home.mkdir(parents=True)
     harness = HARNESSES["gemini"]
     rollout = "gemini-fix-add.0"
-    env = harness_env(harness, home, mitm.url, mitm.ca, rollout)
+    env = harness_env(harness, home, mitm.url, mitm.ca, rollout, harness_bin)
     assert env["GEMINI_API_KEY"] == f"polar-{rollout}"
     assert env["GEMINI_CLI_TRUST_WORKSPACE"] == "true" and rollout in env["HTTPS_PROXY"]
     ran = asyncio.run(

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 
+from ..clients import completion_ids
 from .harnesses import FILE_NAME, FILE_TEXT, FINAL_TEXT
 from .test_harnesses import (
     ROLLOUTS,
@@ -71,7 +72,7 @@ def assert_token_in_is_exact(seen, server) -> dict[str, dict]:
             json={k: v for k, v in body.items() if k not in ("stream", "stream_options")},
             timeout=60,
         ).json()
-        assert row["output_token_ids"] == again["choices"][0]["token_ids"]
+        assert row["output_token_ids"] == completion_ids(again["choices"][0])
     return notes
 
 

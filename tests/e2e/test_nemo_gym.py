@@ -85,7 +85,13 @@ def overlay(
     }
     agents = {
         "polar_fail": {"harness_bin_dir": str(fake_bin), "group_prefix": "fail-"},
-        "polar_timeout": {"timeout_s": 1.0, "group_prefix": "timeout-"},
+        # a harness that hangs (with a child of its own): killed, group and all, at 1 s; the
+        # real Pi can finish a scripted task in less than that
+        "polar_timeout": {
+            "harness_bin_dir": str(fake_bin / "hang"),
+            "timeout_s": 1.0,
+            "group_prefix": "timeout-",
+        },
         "polar_noproxy": {
             "proxy": f"http://127.0.0.1:{free_port()}",
             "timeout_s": 90.0,
@@ -155,6 +161,9 @@ def test_gym_collects_pi_rollouts_through_polar_mitm(
     fake_bin.mkdir()
     (fake_bin / "pi").write_text("#!/bin/sh\necho 'pi: cannot reach the provider' >&2\nexit 3\n")
     (fake_bin / "pi").chmod(0o755)
+    (fake_bin / "hang").mkdir()
+    (fake_bin / "hang" / "pi").write_text("#!/bin/sh\nsleep 120 &\nwait\n")
+    (fake_bin / "hang" / "pi").chmod(0o755)
     names = [
         *HARNESS_AGENTS,
         "polar_fail",

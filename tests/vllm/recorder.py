@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ..clients import completion_ids
+
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding", "host"}
 
 
@@ -65,10 +67,8 @@ class Exchange:
             for choice in chunk.get("choices") or ():
                 prompt = choice.get("prompt_token_ids") or prompt
                 logprobs = choice.get("logprobs") or {}
-                ids = choice.get("token_ids")
-                if ids is None and "tokens" in logprobs:
-                    ids = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
-                out += ids or []
+                if choice.get("token_ids") is not None or "tokens" in logprobs:
+                    out += completion_ids(choice)
                 if "content" in logprobs:
                     lps += [e["logprob"] for e in logprobs["content"] or ()]
                 else:
