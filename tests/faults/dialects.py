@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +39,26 @@ class DialectRow(ABC):
     name: str
     host: str
     path: str
+    # The body field where a harness puts free-form metadata (the proxy must scrub keys in it).
+    metadata_field = "metadata"
+    # The query parameter an API key may travel in (None: headers only).
+    key_param: str | None = None
+    # test_client_hangs_up_mid_stream: the upstream stalls after this many chunks (the role chunk,
+    # then one token each), and the harness hangs up on its event of this number, the last one
+    # those chunks make in this dialect.
+    stall_after_chunks = 5
+    events_before_stall = 5
+    # Other URLs of the dialect's endpoint, each sent a valid body: the HTTP status it must get,
+    # with a reply or an error in the dialect's shape.
+    odd_urls: tuple[tuple[str, int], ...] = ()
 
     @property
     def url(self) -> str:
         return f"https://{self.host}{self.path}"
+
+    def url_for(self, stream: bool) -> str:
+        """Where a (streaming) call goes: one URL for both, unless the dialect says otherwise."""
+        return self.url
 
     @abstractmethod
     def body(self, text: str, stream: bool, **extra: Any) -> dict[str, Any]:
@@ -63,8 +80,9 @@ class DialectRow(ABC):
     def stream(self, payloads: list[str]) -> StreamResult:
         """Check and read a stream given its `data:` payloads (AssertionError if malformed)."""
 
-    def kind(self, kind: str) -> str:
-        """This dialect's error type for one of the OpenAI-named kinds the suite expects."""
+    def kind(self, kind: str, status: int = 200) -> str:
+        """This dialect's error type for one of the OpenAI-named kinds the suite expects, in an
+        answer of HTTP `status` (200: an error event ending a stream)."""
         return kind
 
 
@@ -232,7 +250,7 @@ class AnthropicMessagesRow(DialectRow):
         assert isinstance(err.get("message"), str) and err["message"], payload
         return ErrorShape(err["type"], err["message"])
 
-    def kind(self, kind: str) -> str:
+    def kind(self, kind: str, status: int = 200) -> str:
         return {"server_error": "api_error"}.get(kind, kind)
 
     def reply(self, payload: Any) -> tuple[str, str | None]:
@@ -267,9 +285,104 @@ class AnthropicMessagesRow(DialectRow):
         return result
 
 
+class GoogleGeminiRow(DialectRow):
+    """Google's Gemini API (Gemini CLI): `POST /v1beta/models/{model}:generateContent`, or
+    `:streamGenerateContent?alt=sse`; the key in `x-goog-api-key` (or `?key=`). Errors are
+    `{"error": {code, message, status}}` with google.rpc status names, and a failure mid-stream is
+    that object as the last event. A stream has no opening or closing event: `GenerateContentResponse`
+    objects, the last with `finishReason` (Google frames them with `\\r\\n`)."""
+
+    name = "google_gemini"
+    host = "generativelanguage.googleapis.com"
+    path = "/v1beta/models/gemini-2.5-pro:generateContent"
+    metadata_field = "labels"
+    key_param = "key"
+    # Qwen3 thinks first: the first chunks are thoughts Google does not show (includeThoughts is
+    # off), so only the later ones make events.
+    stall_after_chunks = 8
+    events_before_stall = 3
+    odd_urls = (
+        (f"https://{host}/v1beta/models/gemini-2.5-pro:streamGenerateContent", 400),  # no alt=sse
+        (f"https://{host}/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=proto", 400),
+        (f"https://{host}/v1/models/gemini-2.5-flash:countTokens", 200),
+        (f"https://{host}/v1beta/models/x:generateContent?alt=json", 200),
+    )
+    # google.rpc.Code names, by HTTP status (https://cloud.google.com/apis/design/errors)
+    _STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT",
+               429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 502: "UNAVAILABLE",
+               503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}  # fmt: skip
+    _KIND = {"invalid_request_error": "INVALID_ARGUMENT", "rate_limit_error": "RESOURCE_EXHAUSTED",
+             "server_error": "INTERNAL"}  # fmt: skip
+
+    def url_for(self, stream: bool) -> str:
+        if not stream:
+            return self.url
+        return self.url.replace(":generateContent", ":streamGenerateContent?alt=sse")
+
+    def body(self, text: str, stream: bool, **extra: Any) -> dict[str, Any]:
+        return {"contents": [{"role": "user", "parts": [{"text": text}]}],
+                "generationConfig": {"temperature": 0.7}, **extra}  # fmt: skip
+
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        return {"x-goog-api-key": api_key} if api_key else {}
+
+    def error(self, payload: Any) -> ErrorShape:
+        assert isinstance(payload, dict) and set(payload) == {"error"}, payload
+        err = payload["error"]
+        assert isinstance(err, dict) and isinstance(err.get("code"), int), payload
+        assert isinstance(err.get("message"), str) and err["message"], payload
+        assert isinstance(err.get("status"), str) and err["status"].isupper(), payload
+        return ErrorShape(err["status"], err["message"])
+
+    def kind(self, kind: str, status: int = 200) -> str:
+        return self._STATUS[status] if status != 200 else self._KIND[kind]
+
+    def _candidate(self, payload: Any) -> tuple[dict[str, Any], str]:
+        """The one candidate of a `GenerateContentResponse`, and its visible text."""
+        assert isinstance(payload, dict) and isinstance(payload.get("responseId"), str), payload
+        assert "token_ids" not in json.dumps(payload), payload
+        candidates = payload["candidates"]
+        assert isinstance(candidates, list) and len(candidates) == 1, payload
+        candidate = candidates[0]
+        parts = candidate["content"]["parts"]
+        assert candidate["content"]["role"] == "model" and isinstance(parts, list), payload
+        text = [p["text"] for p in parts if "text" in p and not p.get("thought")]
+        assert all(isinstance(t, str) for t in text), payload
+        return candidate, "".join(text)
+
+    def reply(self, payload: Any) -> tuple[str, str | None]:
+        candidate, text = self._candidate(payload)
+        assert candidate.get("finishReason"), payload
+        assert isinstance(payload.get("usageMetadata"), Mapping), payload
+        return text, payload["responseId"]
+
+    def stream(self, payloads: list[str]) -> StreamResult:
+        result = StreamResult()
+        text = []
+        for data in payloads:
+            assert not result.done and result.error is None, f"event after the end: {data!r}"
+            obj = json.loads(data)
+            result.events.append(obj)
+            if isinstance(obj, dict) and "error" in obj:
+                result.error = self.error(obj)
+                continue
+            candidate, piece = self._candidate(obj)
+            if result.reply_id is None:
+                result.reply_id = obj["responseId"]
+            assert obj["responseId"] == result.reply_id, data
+            text.append(piece)
+            if candidate.get("finishReason"):
+                assert isinstance(obj.get("usageMetadata"), Mapping), data
+                result.done = True
+        assert result.reply_id is not None or result.error is not None, payloads[:3]
+        result.text = "".join(text)
+        return result
+
+
 #: The suite's rows, by dialect name. A new dialect adds its row here.
 ROWS: dict[str, DialectRow] = {
-    row.name: row for row in (OpenAIChatRow(), OpenAIResponsesRow(), AnthropicMessagesRow())
+    row.name: row
+    for row in (OpenAIChatRow(), OpenAIResponsesRow(), AnthropicMessagesRow(), GoogleGeminiRow())
 }
 
 

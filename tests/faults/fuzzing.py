@@ -63,6 +63,10 @@ KEYS = [
     "reasoning_content", "stop", "system", "input", "choices", "delta", "finish_reason", "usage",
     "prompt_token_ids", "token_ids", "completion_tokens", "prompt_tokens", "logprob", "index",
     "error", "message", "object", "created",
+    # Google's Gemini API
+    "contents", "parts", "systemInstruction", "generationConfig", "functionDeclarations",
+    "functionCall", "functionResponse", "thought", "thoughtSignature", "toolConfig", "labels",
+    "maxOutputTokens", "candidateCount", "inlineData",
 ]  # fmt: skip
 
 text = st.one_of(st.text(max_size=24), st.sampled_from(EDGE_TEXT))

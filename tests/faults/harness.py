@@ -14,6 +14,7 @@ import secrets as _secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -37,7 +38,7 @@ class Outcome:
 
 class SSEReader:
     """The `data:` payloads of a stream fed in pieces (written here, independent of
-    polar_mitm.call.sse; the proxy writes `\\n` line ends). Resumes its search where it stopped, so a
+    polar_mitm.call.sse; the proxy writes `\\n` line ends, `\\r\\n` in Google's dialect). Resumes its search where it stopped, so a
     64 MB event arriving in 64 KB pieces costs one pass, not a thousand."""
 
     def __init__(self) -> None:
@@ -45,7 +46,7 @@ class SSEReader:
         self._scanned = 0
 
     def feed(self, data: bytes) -> list[str]:
-        self.buffer += data
+        self.buffer += data.replace(b"\r", b"")  # no payload holds a raw CR: JSON escapes it
         out = []
         while (end := self.buffer.find(b"\n\n", max(self._scanned - 1, 0))) >= 0:
             block = bytes(self.buffer[:end]).decode("utf-8")
@@ -101,13 +102,18 @@ class Harness:
         stream: bool,
         on_payload: Callable[[int], None] | None = None,
         headers: dict[str, str] | None = None,
+        params: dict[str, str] | None = None,
         **extra: Any,
     ) -> Outcome:
-        """One LLM call. `on_payload(n)` runs after the n-th stream event arrived (handshakes)."""
+        """One LLM call. `on_payload(n)` runs after the n-th stream event arrived (handshakes);
+        `params` are added to the query (which the dialect's URL may already have)."""
         body = json.dumps(self.row.body(text, stream, **extra)).encode()
         hdrs = {"content-type": "application/json", **self.row.headers(self.api_key)}
         hdrs.update(headers or {})
-        with self.client.stream("POST", self.row.url, content=body, headers=hdrs) as r:
+        url = self.row.url_for(stream)
+        if params:
+            url += ("&" if "?" in url else "?") + urlencode(params)
+        with self.client.stream("POST", url, content=body, headers=hdrs) as r:
             if r.status_code != 200 or not stream:
                 r.read()
                 payload = r.json()

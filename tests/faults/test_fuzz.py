@@ -106,7 +106,8 @@ def test_fuzz_request_bodies(row, fault_server, make_mitm, tmp_path, ledger, sec
 
     def send(case: tuple[tuple[bytes, dict[str, str]], bytes | None]) -> int:
         (body, headers), other = case
-        r = client.post(row.url, content=body, headers={**base_headers, **headers})
+        url = row.url_for(len(body) % 2 == 1)  # where the dialect streams at its own URL: both
+        r = client.post(url, content=body, headers={**base_headers, **headers})
         check_answer(row, r, allow_5xx=False)
         if other is not None:  # a non-LLM flow between two calls: untouched, byte for byte
             echoed = client.post(f"https://127.0.0.1:{echo.port}/v1/chat/completions",
@@ -153,6 +154,27 @@ def test_fuzz_request_bodies(row, fault_server, make_mitm, tmp_path, ledger, sec
 UPSTREAMS = [("vllm", FUZZ_CASES * 2 // 5), ("sglang", max(FUZZ_CASES // 10, BATCH))]
 
 
+@pytest.mark.parametrize("row", [r for r in dialect_rows() if r.odd_urls], ids=row_id)
+def test_odd_urls_get_the_dialects_answer(row, fault_server, make_mitm, ledger, secret_book):
+    """The other URLs of a dialect's endpoint (a stream asked without `alt=sse`, another encoding,
+    another API version or method): each answered in the dialect's shape, nothing crashes."""
+    mitm = make_mitm(fault_server.url, flow_detail=0)
+    headers = {"content-type": "application/json", **row.headers(secret_book.new("sk-odd"))}
+    with (
+        ledger.fault(f"{row.name}:odd-urls"),
+        httpx.Client(proxy=mitm.url, verify=str(mitm.ca), timeout=60) as client,
+    ):
+        for url, status in row.odd_urls:
+            r = client.post(url, json=row.body("[odd-url] please count", False), headers=headers)
+            assert r.status_code == status, (url, r.status_code, r.text[:500])
+            if status == 200 and "totalTokens" in r.json():  # a token count, not a reply
+                assert isinstance(r.json()["totalTokens"], int) and r.json()["totalTokens"] > 0
+            else:
+                check_answer(row, r, allow_5xx=False)
+        log = mitm.proc.output()
+        assert not any(m in log for m in _CRASH_MARKERS), log[-5000:]
+
+
 @pytest.mark.parametrize(("upstream", "cases"), UPSTREAMS, ids=[u for u, _ in UPSTREAMS])
 @pytest.mark.parametrize("row", dialect_rows(), ids=row_id)
 def test_fuzz_upstream_replies(row, upstream, cases, fault_server, make_mitm, ledger, secret_book):
@@ -172,7 +194,7 @@ def test_fuzz_upstream_replies(row, upstream, cases, fault_server, make_mitm, le
         stream, fault = case
         text = f"[fuzz-up-{next(counter)}] count"
         control.post("/_polar/faults", json={"key": text, "fault": fault}).raise_for_status()
-        r = client.post(row.url, json=row.body(text, stream), headers=headers)
+        r = client.post(row.url_for(stream), json=row.body(text, stream), headers=headers)
         complete = check_answer(row, r, allow_5xx=True)
         if fault["valid"]:
             assert complete, r.content[-500:]

@@ -35,17 +35,20 @@ def rss_bytes(pid: int) -> int:
 
 @pytest.mark.parametrize("row", dialect_rows(), ids=row_id)
 def test_client_hangs_up_mid_stream(row, fault_server, make_mitm, ledger, secret_book):
-    """The harness closes the connection after 5 events while the upstream is still generating:
+    """The harness closes the connection on the last event the upstream's first chunks make (the
+    role chunk and four tokens; more where the dialect shows the first ones as no event) while the
+    upstream is still generating:
     the proxy cancels the upstream request (the server sees its connection closed), the record
     is client_aborted with exactly the tokens received so far, and the next call works."""
     reset_server(fault_server)
     mitm = make_mitm(fault_server.url)
     text, after = marker("hangup"), marker("next")
     truth = direct_ids(fault_server.url, "vllm", [{"role": "user", "content": text}])
-    arm(fault_server, text, {"mode": "stall", "after": 5, "seconds": 60})
+    stall = row.stall_after_chunks
+    arm(fault_server, text, {"mode": "stall", "after": stall, "seconds": 60})
 
     def hang_up(n: int) -> None:
-        if n == 5:  # events 0..4: the role chunk and four tokens
+        if n == row.events_before_stall:
             raise Hangup
 
     with (
@@ -63,7 +66,7 @@ def test_client_hangs_up_mid_stream(row, fault_server, make_mitm, ledger, secret
         assert rec["status"] == "client_aborted", rec
         assert "harness" in rec["error"] and rec["trainable"] is False
         assert rec["prompt_token_ids"] == truth.prompt_ids
-        assert rec["output_token_ids"] == truth.output_ids[:4]
+        assert rec["output_token_ids"] == truth.output_ids[: stall - 1]  # all but the role chunk
         assert record_of(rows, after)["status"] == "completed"
 
 
@@ -159,7 +162,7 @@ def test_huge_prompts(row, fault_server, make_mitm, ledger, secret_book):
         Harness(mitm, row, api_key=secret_book.new("sk-huge"), timeout=120) as harness,
     ):
         got = harness.call(big + pad20, True)
-        assert got.status == 400 and got.error.type == row.kind("invalid_request_error"), got
+        assert got.status == 400 and got.error.type == row.kind("invalid_request_error", 400), got
         assert "maximum context length" in got.error.message
         upstream = [r for r in httpx.get(fault_server.url + "/_polar/requests", timeout=60).json()
                     if r["path"] == "/v1/chat/completions"]  # fmt: skip
@@ -234,7 +237,8 @@ async def _rollout(
                 "key": text, "fault": {"mode": "replay", "data": data.decode()}})  # fmt: skip
             r.raise_for_status()
             body = json.dumps(row.body(text, stream)).encode()
-            async with client.stream("POST", row.url, content=body, headers=headers) as resp:
+            url = row.url_for(stream)
+            async with client.stream("POST", url, content=body, headers=headers) as resp:
                 raw = await resp.aread()
             assert resp.status_code == 200, raw[:500]
             if stream:

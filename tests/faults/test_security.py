@@ -122,10 +122,14 @@ def test_credentials_stay_off_disk_and_off_the_upstream(
     polar_key = secret_book.add(f"polar-rollout-{secrets.token_hex(8)}")
     body_key = secret_book.new("sk-in-body")
     texts = [marker("sec-headers"), marker("sec-proxy"), marker("sec-polar")]
+    query_key = secret_book.new("sk-in-query")
+    if row.key_param:  # a key in the URL's query (Google's `?key=`) is a secret too
+        texts.append(marker("sec-query"))
     with ledger.fault(f"{row.name}:credentials"):
         with Harness(mitm, row, api_key=bearer) as h:
             extra = {"cookie": f"session={cookie}", "x-api-key": x_key}
-            assert h.call(texts[0], True, headers=extra, metadata={"api_key": body_key}).done
+            metadata = {row.metadata_field: {"api_key": body_key}}
+            assert h.call(texts[0], True, headers=extra, **metadata).done
             # a body the dialect refuses, holding the key: the record keeps the body, scrubbed
             r = h.client.post(row.url, content=f'{{"messages": "{bearer}'.encode(),
                               headers=row.headers(bearer))  # fmt: skip
@@ -134,20 +138,24 @@ def test_credentials_stay_off_disk_and_off_the_upstream(
             assert h.call(texts[1], False).done
         with Harness(mitm, row, api_key=polar_key) as h:
             assert h.call(texts[2], False).done
+        if row.key_param:
+            with Harness(mitm, row) as h:
+                assert h.call(texts[3], True, params={row.key_param: query_key}).done
         log = httpx.get(fault_server.url + "/_polar/requests", timeout=10).json()
         log = [r for r in log if r["path"] == "/v1/chat/completions"]
-        assert len(log) == 3  # the refused body never left the proxy
+        assert len(log) == len(texts)  # the refused body never left the proxy
         upstream = json.dumps(log)
-        for secret in (bearer, x_key, cookie, proxy_pw, polar_key):
+        for secret in (bearer, x_key, cookie, proxy_pw, polar_key, query_key):
             assert secret not in upstream, f"{secret} was sent to the policy server"
         rows = records(mitm)
         ledger.account(rows, texts)
-        assert len(rows) == 4
+        assert len(rows) == len(texts) + 1
         rec = record_of(rows, texts[0])
         headers = json.loads(rec["headers_json"])
-        sent = {"cookie", "x-api-key"} | ({"authorization"} & set(row.headers("k")))
+        key_headers = {name for name, value in row.headers("k-1").items() if "k-1" in value}
+        sent = {"cookie", "x-api-key"} | key_headers
         assert {name: headers[name] for name in sent} == dict.fromkeys(sent, "[redacted]")
-        assert json.loads(rec["request_json"])["metadata"]["api_key"] == "[redacted]"
+        assert json.loads(rec["request_json"])[row.metadata_field]["api_key"] == "[redacted]"
         assert record_of(rows, texts[1])["rollout_id"] == "sec.1"
         assert record_of(rows, texts[2])["rollout_source"] == "api_key"
         found = grep_bytes(mitm.output, secret_book.values)

@@ -127,7 +127,7 @@ def test_upstream_fault(row, fault, fault_server, shared_mitm, ledger, secret_bo
             assert got.done and got.error is None and got.text.strip() == full_text.strip()
         else:
             assert got.error is not None and not got.done, got
-            assert got.error.type == row.kind(fault.kind), got.error
+            assert got.error.type == row.kind(fault.kind, got.status), got.error
             for words in fault.says:
                 assert words in got.error.message, got.error
             assert full_text.strip().startswith(got.text.strip())
@@ -181,7 +181,7 @@ def test_connection_refused_then_the_server_comes_up(row, make_mitm, tmp_path, l
     ):
         for text, stream in zip(texts[:2], (False, True), strict=True):
             got = harness.call(text, stream)
-            assert got.status == 502 and got.error.type == row.kind("server_error"), got
+            assert got.status == 502 and got.error.type == row.kind("server_error", 502), got
             assert dead in got.error.message and "unreachable" in got.error.message
         server = start_policy_server(tmp_path, SCENARIO, ["--port", str(port)], name="late")
         try:
@@ -210,11 +210,11 @@ def test_wrong_model_name(row, fault_server, make_mitm, ledger, secret_book):
         Harness(mitm, row, api_key=secret_book.new("sk-model")) as harness,
     ):
         got = harness.call(text, True)
-        assert got.status == 404 and got.error.type == row.kind("invalid_request_error"), got
+        assert got.status == 404 and got.error.type == row.kind("invalid_request_error", 404), got
         assert "no-such-model" in got.error.message and "does not exist" in got.error.message
         # the proxy keeps serving: a non-streaming call gets the same answer, and its record
         nxt = harness.call(after, False)
-        assert nxt.status == 404 and nxt.error.type == row.kind("invalid_request_error"), nxt
+        assert nxt.status == 404 and nxt.error.type == row.kind("invalid_request_error", 404), nxt
         rows = records(mitm)
         ledger.account(rows, [text, after])
         for t in (text, after):
