@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 
 from polar_mitm.store import read_table
+from tests.helpers.procs import Mitm
+from tests.helpers.waits import SLOW_MACHINE, wait_until
 
-from ..procs import Mitm
-from ..waits import SLOW_MACHINE, wait_until
 from .dialects import DialectRow, ErrorShape, StreamResult
 
 
