@@ -86,7 +86,7 @@ rm -rf "$logs"
 export PATH="$PWD/.venv/bin:$PATH"
 # Two pytest-xdist workers ($POLAR_TEST_WORKERS, 0 for none, e.g. for --pdb): the suite waits on
 # its child processes much of the time, so two run in about 0.56 of one's time on 2 cores; tests
-# that must not run side by side share a worker (tests/xdist_groups.py).
+# that must not run side by side share a worker (tests/helpers/xdist_groups.py).
 workers="${POLAR_TEST_WORKERS:-2}"
 xdist=()
 [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadgroup)

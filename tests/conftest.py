@@ -8,12 +8,17 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.certs import ensure_ca
+from tests.helpers.procs import Mitm, PolicyServer, start_mitm, start_policy_server
 
-from .procs import Mitm, PolicyServer, start_mitm, start_policy_server
-from .s3 import moto_s3, s3_env  # noqa: F401 - fixtures: an S3 server on loopback, AWS env
+# fixtures: an S3 server on loopback, the AWS environment for it
+from tests.helpers.s3 import moto_s3, s3_env  # noqa: F401
 
 # Per-test time limits that fail the test, never the run; servers shared by all xdist workers.
-pytest_plugins = ["tests.time_limits", "tests.shared_servers", "tests.xdist_groups"]
+pytest_plugins = [
+    "tests.helpers.time_limits",
+    "tests.helpers.shared_servers",
+    "tests.helpers.xdist_groups",
+]
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +28,7 @@ def confdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-# The policy-server wire kinds every dialect test runs against; tests/upstreams.py has each
+# The policy-server wire kinds every dialect test runs against; tests/helpers/upstreams.py has each
 # kind's truth (ids straight from the server, expected prompt ids).
 UPSTREAM_KINDS = ["vllm", "sglang"]
 

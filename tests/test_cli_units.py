@@ -1,5 +1,5 @@
 """The CLI's pure parts on hand-made rows: token pieces, trace segments, summaries, export
-layouts, reward files. (tests/test_cli_e2e.py runs the commands on a real session.)"""
+layouts, reward files. (tests/e2e/loopback/test_cli_e2e.py runs the commands on a real session.)"""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ from polar_mitm.output_parsers import family
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.trajectory.exact_prefix import MAX_CHAINS, ExactPrefix, Lookup, message_key
 from polar_mitm.trajectory.ids_json import ids_text
-
-from .clients import RUN_SHELL
+from tests.helpers.clients import RUN_SHELL
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 USER = {"role": "user", "content": "List the files."}

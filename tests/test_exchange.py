@@ -22,8 +22,9 @@ from polar_mitm.policy_server.scenario import load_scenario
 from polar_mitm.tokens.retokenize import RetokenizeJob, Retokenizer, RetokenizeResult
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.upstream.sglang import SGLang
+from tests.helpers import TESTS
 
-from .test_capture_e2e import SCENARIO
+SCENARIO = TESTS / "scenarios" / "three_turns.json"  # the end-to-end capture tests' script
 
 
 class RecordingOutput:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .procs import ROOT
+from tests.helpers import ROOT
 
 SCRIPT = ROOT / "scripts" / "check_harness_releases.py"
 PINS = json.loads((ROOT / "tests" / "e2e" / "npm" / "package.json").read_text())["dependencies"]

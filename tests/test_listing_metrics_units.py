@@ -1,6 +1,7 @@
 """The pure parts of issue 26 on hand-made rows: listings fitted to a width (ids never cut), the
 "not checked" verdict, the metrics of one record, and `top`'s histogram median.
-(tests/test_cli_e2e.py and tests/test_metrics_e2e.py run them for real.)"""
+(tests/e2e/loopback/test_cli_e2e.py and tests/e2e/loopback/test_metrics_e2e.py run them for
+real.)"""
 
 from __future__ import annotations
 

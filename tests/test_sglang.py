@@ -18,10 +18,11 @@ from polar_mitm.tokens.conversation import (
 )
 from polar_mitm.upstream import TokenTally
 from polar_mitm.upstream.sglang import SGLang
+from tests.helpers import TESTS
+from tests.helpers.clients import RUN_SHELL
+from tests.helpers.upstreams import aborting_scenario
 
-from .clients import RUN_SHELL
-from .test_capture_e2e import SCENARIO
-from .upstreams import aborting_scenario
+SCENARIO = TESTS / "scenarios" / "three_turns.json"  # the end-to-end capture tests' script
 
 OTHER_TOOL = {
     "type": "function",

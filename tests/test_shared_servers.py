@@ -1,6 +1,6 @@
-"""tests/shared_servers.py under real pytest-xdist (one run of two workers, for both cases): two
-workers that both need the same server get one, started once, and it is stopped when the run
-ends; one that fails to start fails every worker with its reason, tried once."""
+"""tests/helpers/shared_servers.py under real pytest-xdist (one run of two workers, for both
+cases): two workers that both need the same server get one, started once, and it is stopped when
+the run ends; one that fails to start fails every worker with its reason, tried once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .waits import wait_until
+from tests.helpers.waits import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(180)
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.shared_servers import run_wide_server
-from tests.waits import wait_until
+from tests.helpers.shared_servers import run_wide_server
+from tests.helpers.waits import wait_until
 
 
 def started(name):
@@ -85,7 +85,15 @@ def test_workers_share_one_server_started_once_and_stopped_at_the_end(tmp_path: 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env |= {"PYTHONPATH": str(ROOT), "STARTS": str(tmp_path / "starts")}
     env |= {"SEEN": str(tmp_path / "seen")}
-    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.shared_servers"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "tests.helpers.shared_servers",
+    ]
     argv += ["-n", "2", "--dist", "loadfile", f"--basetemp={tmp_path / 'base'}"]
     r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True)
 

@@ -44,8 +44,7 @@ from polar_mitm.store.journal import (
     list_segments,
     read_segment,
 )
-
-from .waits import wait_until
+from tests.helpers.waits import wait_until
 
 T0 = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z in microseconds
 DAY = 86_400_000_000

@@ -1,7 +1,7 @@
-"""tests/time_limits.py, tried for real: pytest runs, in a subprocess, a file of tests that hang
-in each place a test can (its body, a fixture's set-up or teardown, a subprocess wait) and one
-whose report takes longer than its limit to build (where pytest-timeout alone ends the run in
-INTERNALERROR); each hung test must fail alone, named and with its stack, and the others pass."""
+"""tests/helpers/time_limits.py, tried for real: pytest runs, in a subprocess, a file of tests
+that hang in each place a test can (its body, a fixture's set-up or teardown, a subprocess wait)
+and one whose report takes longer than its limit to build (where pytest-timeout alone ends the run
+in INTERNALERROR); each hung test must fail alone, named and with its stack, and the others pass."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def run_pytest(project: Path, *args: str, plugin: bool = True) -> subprocess.Com
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "POLAR_TEST_"))}
     env["PYTHONPATH"] = str(ROOT)
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
-    argv += ["-p", "tests.time_limits"] if plugin else []
+    argv += ["-p", "tests.helpers.time_limits"] if plugin else []
     return subprocess.run(
         [*argv, *args], cwd=project, env=env, capture_output=True, text=True, timeout=600
     )
@@ -165,8 +165,8 @@ def test_each_hung_test_fails_alone_with_its_stack_and_the_run_goes_on(project: 
 
 
 def test_the_slow_report_is_what_ends_a_run_under_pytest_timeout_alone(project: Path) -> None:
-    """The control: without tests/time_limits.py, pytest-timeout's alarm lands in pytest's own
-    report hook and the run ends in INTERNALERROR (exit 3), the next test never run."""
+    """The control: without tests/helpers/time_limits.py, pytest-timeout's alarm lands in pytest's
+    own report hook and the run ends in INTERNALERROR (exit 3), the next test never run."""
     r = run_pytest(project, "-k", "slow_report or last", plugin=False)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "INTERNALERROR" in r.stdout + r.stderr and "Timeout (>1.0s)" in r.stdout + r.stderr

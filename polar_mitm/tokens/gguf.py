@@ -7,8 +7,8 @@ legacy loader that also needs the ``gguf`` package), and torch on Python 3.12 fr
 CUDA build. The proxy and the reference server only need the tokenizer, so this module reads the
 metadata itself (the GGUF v2/v3 key-value section, a few dozen lines of ``struct``) and hands it to
 the same transformers builders ``from_pretrained`` uses (``convert_gguf_tokenizer``), giving the
-same tokenizer. tests/test_realmodel.py checks it token for token against llama.cpp's own
-tokenizer, and scripts/train_check.py against ``AutoTokenizer.from_pretrained(..., gguf_file=...)``
+same tokenizer. tests/e2e/loopback/test_realmodel.py checks it token for token against
+llama.cpp's own tokenizer, and scripts/train_check.py against ``AutoTokenizer.from_pretrained(..., gguf_file=...)``
 where torch is installed.
 """
 

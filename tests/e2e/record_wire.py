@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 
 from polar_mitm.certs import ensure_ca, env_lines
+from tests.helpers.procs import MITMDUMP, Proc, free_port
 
-from ..procs import MITMDUMP, Proc, free_port
 from .harnesses import FINAL_TEXT, HARNESSES, ROOT, SHELL_COMMAND, install, run_harness
 from .netns import create_netns
 

@@ -22,8 +22,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
+from tests.helpers.clients import completion_ids
 
-from ..clients import completion_ids
 from .harnesses import FILE_NAME, FILE_TEXT, FINAL_TEXT
 from .test_harnesses import (
     ROLLOUTS,

@@ -31,9 +31,9 @@ from polar_mitm.addons.capture import DEFAULT_HOSTS
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.control import ControlClient
 from polar_mitm.store import read_table
+from tests.helpers.clients import grep_bytes
+from tests.helpers.procs import BIN
 
-from ..clients import grep_bytes
-from ..procs import BIN
 from .harnesses import FILE_NAME, FILE_TEXT, FINAL_TEXT, HARNESSES, PROMPT, run_harness
 
 SCENARIO = Path(__file__).parent / "scenarios" / "harnesses.json"

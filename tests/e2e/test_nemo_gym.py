@@ -34,8 +34,8 @@ from polar_mitm.control import ControlClient
 from polar_mitm.nemo_gym.session import GymSession, session_members
 from polar_mitm.policy_server.scenario import bundled_scenario
 from polar_mitm.store import read_table
-
-from ..procs import MITMDUMP, ROOT, free_port
+from tests.helpers import ROOT
+from tests.helpers.procs import MITMDUMP, free_port
 
 GYM_VENV = ROOT / ".venv-gym"
 GYM = GYM_VENV / "bin" / "gym"

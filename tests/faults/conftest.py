@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..clients import grep_bytes
-from ..procs import Mitm, PolicyServer, start_mitm, start_policy_server
+from tests.helpers.clients import grep_bytes
+from tests.helpers.procs import Mitm, PolicyServer, start_mitm, start_policy_server
+
 from .harness import Ledger
 
 SCENARIO = Path(__file__).parent / "scenario.json"

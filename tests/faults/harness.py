@@ -19,9 +19,9 @@ from urllib.parse import urlencode
 import httpx
 
 from polar_mitm.store import read_table
+from tests.helpers.procs import Mitm
+from tests.helpers.waits import SLOW_MACHINE, wait_until
 
-from ..procs import Mitm
-from ..waits import SLOW_MACHINE, wait_until
 from .dialects import DialectRow, ErrorShape, StreamResult
 
 

@@ -23,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from ..tls_echo import start_tls_echo
+from tests.helpers.tls_echo import start_tls_echo
+
 from .dialects import DialectRow, dialect_rows, row_id
 from .fuzzing import request_body, upstream_reply
 from .harness import records, sse_payloads

@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..upstreams import direct_ids
-from ..waits import wait_until
+from tests.helpers.upstreams import direct_ids
+from tests.helpers.waits import wait_until
+
 from .conftest import arm, reset_server, server_stats
 from .dialects import DialectRow, dialect_rows, row_id
 from .harness import Harness, marker, record_of, records, sse_payloads

@@ -15,9 +15,10 @@ import pytest
 from click.testing import CliRunner
 
 from polar_mitm.cli.app import main
+from tests.helpers import ROOT
+from tests.helpers.clients import grep_bytes, http_client
+from tests.helpers.procs import MITMDUMP, Proc, free_port
 
-from ..clients import grep_bytes, http_client
-from ..procs import MITMDUMP, ROOT, Proc, free_port
 from .conftest import reset_server
 from .dialects import dialect_rows, row_id
 from .harness import Harness, marker, record_of, records
@@ -166,7 +167,7 @@ def test_credentials_stay_off_disk_and_off_the_upstream(
 def test_hosts_outside_polar_hosts_are_never_rewritten(fault_server, make_mitm, tmp_path, ledger):
     """An LLM-shaped request (path, JSON body, a polar- key) to a host that is not in polar_hosts
     goes to that host byte for byte, headers included, and leaves no record."""
-    from ..tls_echo import start_tls_echo
+    from tests.helpers.tls_echo import start_tls_echo
 
     echo = start_tls_echo(tmp_path)
     mitm = make_mitm(fault_server.url, ssl_insecure="true")

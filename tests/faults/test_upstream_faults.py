@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from ..procs import free_port, start_policy_server
-from ..upstreams import direct_ids
+from tests.helpers.procs import free_port, start_policy_server
+from tests.helpers.upstreams import direct_ids
+
 from .conftest import SCENARIO, arm, reset_server, server_stats
 from .dialects import dialect_rows, row_id
 from .harness import Harness, live_records, marker, record_of, records

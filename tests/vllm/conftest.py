@@ -19,8 +19,8 @@ from polar_mitm.policy_server.vllm_launch import (
     find_setup,
     shared_server,
 )
+from tests.helpers.procs import need
 
-from ..procs import need
 from .recorder import Recorder
 
 HERE = Path(__file__).parent

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ..clients import completion_ids
+from tests.helpers.clients import completion_ids
 
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding", "host"}
 

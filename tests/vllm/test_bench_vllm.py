@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ..procs import ROOT
+from tests.helpers import ROOT
 
 
 @pytest.mark.slow

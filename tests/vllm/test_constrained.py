@@ -12,13 +12,13 @@ import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.store import read_table
+from tests.e2e.loopback.test_capture_e2e import calls_of
+from tests.e2e.loopback.test_dialects_e2e import QUESTION, SYSTEM
+from tests.e2e.loopback.test_fidelity_e2e import cli
+from tests.helpers.clients import RUN_SHELL, http_client
 
-from ..clients import RUN_SHELL, http_client
 from ..e2e.harnesses import FINAL_TEXT
 from ..e2e.test_harnesses import ROLLOUTS, run_through_proxy
-from ..test_capture_e2e import calls_of
-from ..test_dialects_e2e import QUESTION, SYSTEM
-from ..test_fidelity_e2e import cli
 from .checks import check_exact, check_rescoring
 
 PARALLEL = "parallel_tool_calls=false"

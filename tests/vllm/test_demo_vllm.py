@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ..procs import ROOT
+from tests.helpers import ROOT
 
 
 def vllm_processes() -> set[int]:

@@ -1,17 +1,18 @@
-"""Exact-prefix mode on the real vLLM: the same drifting harness as tests/test_exact_prefix_e2e.py
-(it drops earlier reasoning, re-serializes tool arguments, then asks a follow-up) in chat mode and
-in exact-prefix mode. Chat mode breaks the chain where vLLM's template re-renders the drifted
-turns; exact-prefix mode sends the policy's own tokens to vLLM's token-in `/v1/completions` and
-keeps one chain, with the engine's own ids and logprobs (re-scored)."""
+"""Exact-prefix mode on the real vLLM: the same drifting harness as
+tests/e2e/loopback/test_exact_prefix_e2e.py (it drops earlier reasoning, re-serializes tool
+arguments, then asks a follow-up) in chat mode and in exact-prefix mode. Chat mode breaks the chain
+where vLLM's template re-renders the drifted turns; exact-prefix mode sends the policy's own tokens
+to vLLM's token-in `/v1/completions` and keeps one chain, with the engine's own ids and logprobs
+(re-scored)."""
 
 from __future__ import annotations
 
 import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir
+from tests.e2e.loopback.test_exact_prefix_e2e import converse, records, seen
+from tests.helpers.clients import openai_client
 
-from ..clients import openai_client
-from ..test_exact_prefix_e2e import converse, records, seen
 from .checks import check_exact, check_rescoring
 from .recorder import Recorder
 

@@ -9,10 +9,11 @@ import anthropic
 import openai
 import pytest
 
-from ..clients import openai_client
+from tests.e2e.loopback.test_capture_e2e import calls_of
+from tests.e2e.loopback.test_dialects_e2e import anthropic_client
+from tests.helpers.clients import openai_client
+
 from ..e2e.test_harnesses import CAP_REFUSED
-from ..test_capture_e2e import calls_of
-from ..test_dialects_e2e import anthropic_client
 from .checks import check_exact
 
 CHAT = [{"role": "user", "content": "[chat] hello"}]

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from polar_mitm.policy_server.vllm_launch import SERVED_MODEL
+from tests.helpers.clients import RUN_SHELL
 
-from ..clients import RUN_SHELL
 from .conftest import SCENARIOS
 
 LOOP = [
@@ -99,7 +99,7 @@ def ask(url: str, path: str, body: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from ..procs import start_policy_server
+    from tests.helpers.procs import start_policy_server
 
     server = start_policy_server(
         tmp_path_factory.mktemp("reference"), SCENARIOS[0], ["--max-model-len", "40960"]

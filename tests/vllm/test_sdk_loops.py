@@ -7,17 +7,8 @@ from __future__ import annotations
 import pytest
 
 from polar_mitm.store import read_table
-
-from ..clients import (
-    RUN_SHELL,
-    _streamed_reply,
-    messages_next,
-    openai_client,
-    responses_next,
-    tool_messages,
-)
-from ..test_capture_e2e import calls_of
-from ..test_dialects_e2e import (
+from tests.e2e.loopback.test_capture_e2e import calls_of
+from tests.e2e.loopback.test_dialects_e2e import (
     ANTHROPIC_TOOL,
     FINAL_TEXT,
     QUESTION,
@@ -25,6 +16,15 @@ from ..test_dialects_e2e import (
     SYSTEM,
     anthropic_client,
 )
+from tests.helpers.clients import (
+    RUN_SHELL,
+    _streamed_reply,
+    messages_next,
+    openai_client,
+    responses_next,
+    tool_messages,
+)
+
 from .checks import check_exact, check_rescoring
 
 STREAM = pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -32,7 +32,7 @@ STREAM = pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"]
 
 def chat_loop(client, stream: bool) -> list[dict]:
     """A careful chat harness: each reply goes back with its reasoning (an OpenAI SDK that drops
-    it breaks the chain at the template's re-render: tests/test_fidelity_e2e.py)."""
+    it breaks the chain at the template's re-render: tests/e2e/loopback/test_fidelity_e2e.py)."""
     messages: list[dict] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": QUESTION},

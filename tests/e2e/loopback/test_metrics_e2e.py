@@ -23,11 +23,11 @@ from polar_mitm.cli.fidelity_report import harness_of
 from polar_mitm.control import ControlAPI, ControlServer, ControlState
 from polar_mitm.record_facts import checked_with_tokenizer
 from polar_mitm.store import read_table
+from tests.helpers import TESTS
+from tests.helpers.clients import http_client, openai_client, run_tool_conversation
+from tests.helpers.procs import BIN, free_port, start_mitm, start_policy_server
 
-from .clients import http_client, openai_client, run_tool_conversation
-from .procs import BIN, free_port, start_mitm, start_policy_server
-
-SCENARIO = Path(__file__).parent / "scenarios" / "three_turns.json"
+SCENARIO = TESTS / "scenarios" / "three_turns.json"
 TOKEN = "metrics-ctl-token-5e1f"
 POLAR = str(BIN / "polar-mitm")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -18,9 +17,10 @@ from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.dialects.convert import unseal
-
-from .broken_upstream import BrokenUpstream
-from .clients import (
+from tests.e2e.loopback.test_capture_e2e import calls_of, wait_for_upstream_request
+from tests.helpers import TESTS
+from tests.helpers.broken_upstream import BrokenUpstream
+from tests.helpers.clients import (
     RUN_SHELL,
     TOOL_OUTPUTS,
     grep_bytes,
@@ -29,11 +29,10 @@ from .clients import (
     openai_client,
     responses_next,
 )
-from .test_capture_e2e import calls_of, wait_for_upstream_request
-from .upstreams import direct_ids, expected_prompt_ids
+from tests.helpers.upstreams import direct_ids, expected_prompt_ids
 
-SCENARIO = Path(__file__).parent / "scenarios" / "dialects.json"
-GOLDEN = Path(__file__).parent / "golden"
+SCENARIO = TESTS / "scenarios" / "dialects.json"
+GOLDEN = TESTS / "golden"
 SYSTEM = "You are a coding agent. Use run_shell."
 QUESTION = "How many lines does notes.txt have?"
 SHELL_PARAMS = RUN_SHELL["function"]["parameters"]

@@ -53,21 +53,24 @@ HARD_GRACE = 120.0  # time_limit_hard_grace: after an alarm the main thread did 
 # `pytestmark`), by where it lives, first match wins; the `timeout` setting in pyproject.toml (30 s)
 # is everything else's: the unit tests, a second or less each. Each limit is some 5x what the
 # slowest test it covers took in a full run at load 6-11 on 2 cores (README "Tests"); shared
-# set-up (a module's proxy, the session's harness install) is not counted in it.
+# set-up (a module's proxy, the session's harness install) is not counted in it. Paths are
+# fnmatch patterns, whose `*` also matches `/`: `tests/e2e/test_*` is the real-harness tests at the
+# top of tests/e2e/, not those of tests/e2e/loopback/.
 TIERS: tuple[tuple[str, float], ...] = (
-    ("tests/e2e/*", 300.0),  # a real harness run (its own timeout is 180 s); loaded max 49 s
+    ("tests/e2e/test_*", 300.0),  # a real harness run (its own timeout is 180 s); loaded max 49 s
     ("tests/vllm/test_harnesses_vllm.py", 600.0),  # a real harness on the real vLLM (300 s own)
     ("tests/vllm/*", 420.0),  # the real vLLM's CPU engine; demo and bench start their own server
     ("tests/faults/test_fuzz.py", 600.0),  # 10,000 Hypothesis cases per table; loaded max 87 s
     ("tests/faults/*", 180.0),  # a proxy per module, faults injected; loaded max 29 s
-    ("tests/*_e2e.py", 180.0),  # a real mitmdump and policy server per test; loaded max 68 s
-    ("tests/test_bench_smoke.py", 600.0),  # the benchmarks, small; loaded max 127 s
-    ("tests/test_realmodel.py", 300.0),  # llama.cpp generations (trainer checks: 900 s marks)
-    ("tests/test_readers.py", 180.0),  # Ray starts a local cluster; loaded max 28 s
-    ("tests/test_demo.py", 180.0),  # scripts/demo.sh end to end; loaded max 15 s
-    ("tests/test_harness_fixtures.py", 120.0),  # recorded harness fixtures through a proxy
-    ("tests/test_policy_server.py", 120.0),  # a policy server per test here and there
-    ("tests/test_remote.py", 120.0),  # moto's S3 server, an outage
+    # tests/e2e/loopback/: our own processes on loopback; its test_vllm_script.py has the default
+    ("tests/e2e/loopback/*_e2e.py", 180.0),  # a real mitmdump and policy server per test; max 68 s
+    ("tests/e2e/loopback/test_bench_smoke.py", 600.0),  # the benchmarks, small; loaded max 127 s
+    ("tests/e2e/loopback/test_realmodel.py", 300.0),  # llama.cpp; trainer checks: 900 s marks
+    ("tests/e2e/loopback/test_readers.py", 180.0),  # Ray starts a local cluster; loaded max 28 s
+    ("tests/e2e/loopback/test_demo.py", 180.0),  # scripts/demo.sh end to end; loaded max 15 s
+    ("tests/e2e/loopback/test_harness_fixtures.py", 120.0),  # recorded harness fixtures, a proxy
+    ("tests/e2e/loopback/test_policy_server.py", 120.0),  # a policy server per test here and there
+    ("tests/e2e/loopback/test_remote.py", 120.0),  # moto's S3 server, an outage
 )
 
 _SHARED_ATTR = "_polar_shared_setup_limit"
@@ -198,8 +201,8 @@ class TimeLimits:
     @pytest.hookimpl
     def pytest_report_header(self) -> str:
         return (
-            f"time limits: tests/time_limits.py (per phase; shared set-up {self.shared_setup:g}"
-            f" s; hard stop {self.hard_grace:g} s after an unanswered alarm; scale {self.scale:g})"
+            "time limits: tests/helpers/time_limits.py (per phase; shared set-up "
+            f"{self.shared_setup:g} s; hard stop {self.hard_grace:g} s after an unanswered alarm; scale {self.scale:g})"
         )
 
     @contextmanager
@@ -374,7 +377,8 @@ _KEY = pytest.StashKey[TimeLimits]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         "time_limit_shared_setup",
-        "seconds the set-up of a fixture scoped wider than a function may take (tests/time_limits.py)",
+        "seconds the set-up of a fixture scoped wider than a function may take"
+        " (tests/helpers/time_limits.py)",
         default=str(SHARED_SETUP),
     )
     parser.addini(
@@ -413,5 +417,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for pattern, seconds in TIERS:
             if fnmatch.fnmatch(path, pattern):
                 item.add_marker(pytest.mark.timeout(seconds))
-                item.stash[_SOURCE] = f"tests/time_limits.py TIERS {pattern!r}"
+                item.stash[_SOURCE] = f"tests/helpers/time_limits.py TIERS {pattern!r}"
                 break

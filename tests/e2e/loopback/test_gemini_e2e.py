@@ -6,7 +6,6 @@ against every server kind; Gemini CLI 0.61.0's recorded requests replayed; the A
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,11 +14,8 @@ from transformers import AutoTokenizer
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.dialects.convert import unseal
 from polar_mitm.store import read_table
-
-from .broken_upstream import BrokenUpstream
-from .clients import RUN_SHELL, TOOL_OUTPUTS, grep_bytes, http_client
-from .test_capture_e2e import calls_of
-from .test_dialects_e2e import (
+from tests.e2e.loopback.test_capture_e2e import calls_of
+from tests.e2e.loopback.test_dialects_e2e import (
     FINAL_TEXT,
     QUESTION,
     SCENARIO,
@@ -29,10 +25,13 @@ from .test_dialects_e2e import (
     check_reasoning_rendered,
     check_rows,
 )
+from tests.helpers import TESTS
+from tests.helpers.broken_upstream import BrokenUpstream
+from tests.helpers.clients import RUN_SHELL, TOOL_OUTPUTS, grep_bytes, http_client
 
 BASE = "https://generativelanguage.googleapis.com/v1beta/models/gemini-2.5-pro"
-HARNESS_SCENARIO = Path(__file__).parent / "e2e" / "scenarios" / "harnesses.json"
-FIXTURES = Path(__file__).parent / "fixtures" / "harness" / "gemini"
+HARNESS_SCENARIO = TESTS / "e2e" / "scenarios" / "harnesses.json"
+FIXTURES = TESTS / "fixtures" / "harness" / "gemini"
 DECLARATION = {
     "name": "run_shell",
     "description": RUN_SHELL["function"]["description"],

@@ -6,8 +6,8 @@ worker may still need one. `run_wide_server` starts the server once per run inst
 
 - the first process that needs `name` starts it, under an exclusive lock on a file in the run's
   shared temp dir (the controller's basetemp, the parent of each worker's); the others block on
-  the lock until it is ready (a fixture's set-up has its own clock: tests/time_limits.py), then
-  read what it wrote (a URL, ports, ...);
+  the lock until it is ready (a fixture's set-up has its own clock: tests/helpers/time_limits.py),
+  then read what it wrote (a URL, ports, ...);
 - a server that failed to start is recorded as such: the other workers fail at once with the
   same reason instead of spending minutes trying again;
 - the server runs in a session of its own, its output to a file (never a pipe: the process that
@@ -18,7 +18,7 @@ worker may still need one. `run_wide_server` starts the server once per run inst
 Use it from a session fixture (see README "Tests" for the whole recipe):
 
     @pytest.fixture(scope="session")
-    @shared_setup_limit(1800)  # tests/time_limits.py: a cold start on a busy machine
+    @shared_setup_limit(1800)  # tests/helpers/time_limits.py: a cold start on a busy machine
     def real_vllm(request) -> dict:
         return run_wide_server(request.config, "real-vllm", start_real_vllm)
 

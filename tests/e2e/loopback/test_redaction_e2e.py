@@ -13,9 +13,8 @@ import signal
 from pathlib import Path
 
 from polar_mitm.store import read_table
-
-from .clients import grep_bytes, http_client
-from .test_capture_e2e import SCENARIO
+from tests.e2e.loopback.test_capture_e2e import SCENARIO
+from tests.helpers.clients import grep_bytes, http_client
 
 SECRETS = {
     "authorization": "sk-live-AUTHsecret0123456789",

@@ -21,13 +21,13 @@ import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.store import read_table
+from tests.e2e.loopback.test_fidelity_e2e import cli
+from tests.helpers import ROOT, TESTS
+from tests.helpers.clients import RUN_SHELL, messages_next, openai_client
+from tests.helpers.procs import MITMDUMP
+from tests.helpers.upstreams import direct_ids
 
-from .clients import RUN_SHELL, messages_next, openai_client
-from .procs import MITMDUMP, ROOT
-from .test_fidelity_e2e import cli
-from .upstreams import direct_ids
-
-SCENARIO = Path(__file__).parent / "scenarios" / "exact_prefix.json"
+SCENARIO = TESTS / "scenarios" / "exact_prefix.json"
 OUTPUTS = {"ls": "notes.txt", "tail -1 notes.txt": "gamma"}
 MODEL = "gpt-4.1-mini"
 
@@ -248,7 +248,12 @@ def test_exact_prefix_without_a_template_tokenizer_is_one_startup_error(tmp_path
 
 def _messages_conversation(mitm, rollout: str) -> tuple[list, list]:
     """Claude Code's dialect through the anthropic SDK (streamed): what the SDK assembled."""
-    from .test_dialects_e2e import ANTHROPIC_TOOL, QUESTION, SYSTEM, anthropic_client
+    from tests.e2e.loopback.test_dialects_e2e import (
+        ANTHROPIC_TOOL,
+        QUESTION,
+        SYSTEM,
+        anthropic_client,
+    )
 
     client = anthropic_client(mitm, api_key=f"polar-{rollout}")
     messages: list[dict] = [{"role": "user", "content": QUESTION}]
@@ -282,7 +287,7 @@ def _messages_conversation(mitm, rollout: str) -> tuple[list, list]:
 def _responses_conversation(mitm, rollout: str) -> tuple[list, list]:
     """Codex's dialect through the openai SDK's Responses stream; reasoning items are sent back
     without their text (as a harness that keeps only the encrypted content might)."""
-    from .test_dialects_e2e import QUESTION, RESPONSES_TOOL, SYSTEM
+    from tests.e2e.loopback.test_dialects_e2e import QUESTION, RESPONSES_TOOL, SYSTEM
 
     client = openai_client(mitm, api_key=f"polar-{rollout}")
     items: list[dict] = [{"role": "user", "content": QUESTION}]
@@ -316,7 +321,7 @@ def _responses_conversation(mitm, rollout: str) -> tuple[list, list]:
 
 @pytest.mark.parametrize("dialect", ["anthropic_messages", "openai_responses"])
 def test_the_other_dialects_see_the_same_replies(make_policy_server, make_mitm, dialect):
-    from .test_dialects_e2e import SCENARIO as DIALECTS
+    from tests.e2e.loopback.test_dialects_e2e import SCENARIO as DIALECTS
 
     converse_in = (
         _messages_conversation if dialect == "anthropic_messages" else _responses_conversation

@@ -6,19 +6,18 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import pytest
 
 from polar_mitm.control import ControlClient, ControlError
 from polar_mitm.store import read_table
+from tests.helpers import TESTS
+from tests.helpers.clients import RUN_SHELL, grep_bytes, http_client
+from tests.helpers.procs import start_policy_server
+from tests.helpers.waits import wait_until
 
-from .clients import RUN_SHELL, grep_bytes, http_client
-from .procs import start_policy_server
-from .waits import wait_until
-
-SCENARIO = Path(__file__).parent / "scenarios" / "trajectories.json"
+SCENARIO = TESTS / "scenarios" / "trajectories.json"
 TOKEN = "ctl-s3cret-token-4f9a1c"
 CHAT_URL = "https://api.openai.com/v1/chat/completions"
 SPAWN = {

@@ -23,9 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm.store import list_shards, read_table
-
-from .clients import http_client
-from .procs import Mitm, start_policy_server
+from tests.helpers.clients import http_client
+from tests.helpers.procs import Mitm, start_policy_server
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 KILL_SCENARIO = {

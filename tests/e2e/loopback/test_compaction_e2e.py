@@ -9,19 +9,17 @@ has exactly the server's ids, and the traces carry the compaction lineage.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 
 from polar_mitm.control import ControlClient
 from polar_mitm.dialects import compaction
 from polar_mitm.store import read_table
+from tests.e2e.test_harnesses import ask
+from tests.helpers import TESTS
+from tests.helpers.clients import RUN_SHELL, TOOL_OUTPUTS, openai_client
 
-from .clients import RUN_SHELL, TOOL_OUTPUTS, openai_client
-from .e2e.test_harnesses import ask
-
-SCENARIO = Path(__file__).parent / "scenarios" / "compaction.json"
+SCENARIO = TESTS / "scenarios" / "compaction.json"
 QUESTION = "How many lines does notes.txt have?"
 TOKEN = "compaction-control"
 TOOL = {

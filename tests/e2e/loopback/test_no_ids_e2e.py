@@ -18,10 +18,9 @@ from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.cli.app import main as cli_main
-
-from .clients import RUN_SHELL, http_client, openai_client, run_tool_conversation
-from .test_capture_e2e import SCENARIO, calls_of
-from .upstreams import direct_ids, expected_prompt_ids
+from tests.e2e.loopback.test_capture_e2e import SCENARIO, calls_of
+from tests.helpers.clients import RUN_SHELL, http_client, openai_client, run_tool_conversation
+from tests.helpers.upstreams import direct_ids, expected_prompt_ids
 
 WARNING = "returned no token ids"
 
@@ -187,7 +186,8 @@ def _requests(server_url: str) -> list[dict]:
 
 
 def test_bad_kind_lists_the_new_ones(tmp_path: Path, confdir):
-    from .procs import MITMDUMP, ROOT, Proc, free_port
+    from tests.helpers import ROOT
+    from tests.helpers.procs import MITMDUMP, Proc, free_port
 
     args = [
         MITMDUMP,

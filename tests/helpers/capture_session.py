@@ -24,10 +24,11 @@ import httpx
 
 from polar_mitm.control import ControlClient
 
+from . import TESTS
 from .clients import RUN_SHELL, http_client
 from .procs import Mitm, start_mitm, start_policy_server
 
-SCENARIO = Path(__file__).parent / "scenarios" / "trajectories.json"
+SCENARIO = TESTS / "scenarios" / "trajectories.json"
 TOKEN = "cli-ctl-token-7d21"
 CHAT_URL = "https://api.openai.com/v1/chat/completions"
 SPAWN = {
@@ -200,7 +201,7 @@ def produce(tmp: Path, confdir: Path) -> Session:
         server.stop()
 
 
-if __name__ == "__main__":  # python -m tests.capture_session DIR: keep a session to look at
+if __name__ == "__main__":  # python -m tests.helpers.capture_session DIR: keep a session to look at
     import sys
 
     from polar_mitm.certs import ensure_ca

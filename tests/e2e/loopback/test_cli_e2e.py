@@ -1,6 +1,6 @@
-"""The `polar-mitm` commands on shards a real session left (tests/capture_session.py: the reference
-policy server, mitmdump with the addon, HTTPS through the proxy, rewards through the control
-plane). Each command's figures are checked against the Parquet shards themselves."""
+"""The `polar-mitm` commands on shards a real session left (tests/helpers/capture_session.py: the
+reference policy server, mitmdump with the addon, HTTPS through the proxy, rewards through the
+control plane). Each command's figures are checked against the Parquet shards themselves."""
 
 from __future__ import annotations
 
@@ -25,10 +25,9 @@ from polar_mitm.cli.show import render
 from polar_mitm.cli.token_text import resolve, token_pieces
 from polar_mitm.store import list_shards, read_table
 from polar_mitm.trajectory.traceview import segments
-
-from .ansi import cells
-from .capture_session import LIVE_REWARDS, produce
-from .procs import BIN
+from tests.helpers.ansi import cells
+from tests.helpers.capture_session import LIVE_REWARDS, produce
+from tests.helpers.procs import BIN
 
 POLAR = str(BIN / "polar-mitm")
 QWEN = str(qwen3_tokenizer_dir())

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -17,19 +16,19 @@ from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.store import read_table
-
-from .clients import (
+from tests.helpers import ROOT, TESTS
+from tests.helpers.clients import (
     RUN_SHELL,
     grep_bytes,
     http_client,
     openai_client,
     run_tool_conversation,
 )
-from .procs import MITMDUMP, ROOT, Proc, free_port
-from .upstreams import direct_ids, expected_prompt_ids
-from .waits import wait_until
+from tests.helpers.procs import MITMDUMP, Proc, free_port
+from tests.helpers.upstreams import direct_ids, expected_prompt_ids
+from tests.helpers.waits import wait_until
 
-SCENARIO = Path(__file__).parent / "scenarios" / "three_turns.json"
+SCENARIO = TESTS / "scenarios" / "three_turns.json"
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +202,7 @@ def test_rollout_identity_sources(make_policy_server, make_mitm):
 
 
 def test_other_traffic_passes_byte_for_byte(make_policy_server, make_mitm, tmp_path):
-    from .tls_echo import start_tls_echo
+    from tests.helpers.tls_echo import start_tls_echo
 
     server = make_policy_server(SCENARIO)
     echo = start_tls_echo(tmp_path)

@@ -11,16 +11,15 @@ address with the fix, the traces are untrainable (`anonymous`) unless
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from polar_mitm.store import read_table
+from tests.e2e.loopback.test_fidelity_e2e import cli
+from tests.helpers import TESTS
+from tests.helpers.clients import openai_client, run_tool_conversation
 
-from .clients import openai_client, run_tool_conversation
-from .test_fidelity_e2e import cli
-
-SCENARIO = Path(__file__).parent / "scenarios" / "three_turns.json"
+SCENARIO = TESTS / "scenarios" / "three_turns.json"
 WARNING = "carry no rollout id"
 
 

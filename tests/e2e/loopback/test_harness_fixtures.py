@@ -10,7 +10,6 @@ that the tests/e2e/ runs of the binaries depend on.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,11 +17,11 @@ import pytest
 from polar_mitm.addons.capture import DEFAULT_HOSTS
 from polar_mitm.call.sse import SSEParser
 from polar_mitm.store import read_table
+from tests.helpers import TESTS
+from tests.helpers.clients import grep_bytes, http_client
 
-from .clients import grep_bytes, http_client
-
-FIXTURES = Path(__file__).parent / "fixtures" / "harness"
-SCENARIO = Path(__file__).parent / "e2e" / "scenarios" / "harnesses.json"
+FIXTURES = TESTS / "fixtures" / "harness"
+SCENARIO = TESTS / "e2e" / "scenarios" / "harnesses.json"
 HARNESSES = ("pi", "codex", "claude", "qwen", "opencode")
 # LLM requests of one recorded run: the two turns, and OpenCode's title call before them.
 LLM_REQUESTS = {"opencode": 3}

@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from polar_mitm.assets import qwen3_tokenizer_dir
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "polar_mitm" / "policy_server" / "scenarios"
 MODEL = "Qwen/Qwen3-4B"
 IM_END = 151645

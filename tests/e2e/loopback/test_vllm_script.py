@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,13 +19,12 @@ from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.policy_server import vllm_launch
+from tests.helpers import TESTS
+from tests.helpers.clients import RUN_SHELL
+from tests.helpers.procs import start_policy_server
+from tests.helpers.upstreams import MODEL
 
-from .clients import RUN_SHELL
-from .procs import start_policy_server
-from .upstreams import MODEL
-
-ROOT = Path(__file__).resolve().parent
-SCENARIOS = [ROOT / "vllm" / "scenario.json", ROOT / "e2e" / "scenarios" / "harnesses.json"]
+SCENARIOS = [TESTS / "vllm" / "scenario.json", TESTS / "e2e" / "scenarios" / "harnesses.json"]
 
 
 def _tool(name: str, *params: str) -> dict:

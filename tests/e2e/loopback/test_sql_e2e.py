@@ -1,5 +1,6 @@
-"""DuckDB alone reads the shards a real session left (tests/capture_session.py: the reference
-policy server, mitmdump with the addon, HTTPS through the proxy) as polar-mitm's own reader does.
+"""DuckDB alone reads the shards a real session left (tests/helpers/capture_session.py: the
+reference policy server, mitmdump with the addon, HTTPS through the proxy) as polar-mitm's own
+reader does.
 
 Calls are stored as what each adds to an earlier call of its rollout (docs/store.md), so the
 whole prompts and requests come back only by walking ``base_call_id``: the SQL file shipped in
@@ -20,15 +21,15 @@ import pytest
 
 from polar_mitm.store import CALLS_SCHEMA, TRACES_SCHEMA, list_shards, read_table
 from polar_mitm.store.delta import DELTA_COLUMNS
-
-from .capture_session import produce
-from .procs import BIN
-from .test_store_delta import as_schema_2
+from tests.helpers import ROOT
+from tests.helpers.capture_session import produce
+from tests.helpers.procs import BIN
+from tests.test_store_delta import as_schema_2
 
 duckdb = pytest.importorskip("duckdb")
 
 POLAR = str(BIN / "polar-mitm")
-SQL_FILE = Path(__file__).resolve().parent.parent / "polar_mitm" / "store" / "polar.sql"
+SQL_FILE = ROOT / "polar_mitm" / "store" / "polar.sql"
 WHOLE_COLUMNS = [n for n in CALLS_SCHEMA.names if n not in DELTA_COLUMNS]
 
 

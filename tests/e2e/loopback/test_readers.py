@@ -19,12 +19,12 @@ import pyarrow.dataset as ds
 import pytest
 
 from polar_mitm.store import CALLS_SCHEMA, Store, list_shards, read_table
-
-from .clients import http_client
-from .s3 import MotoS3
-from .test_capture_e2e import SCENARIO
-from .test_store_delta import interleaved
-from .test_store_delta import session as agent_session
+from tests.e2e.loopback.test_capture_e2e import SCENARIO
+from tests.helpers import ROOT
+from tests.helpers.clients import http_client
+from tests.helpers.s3 import MotoS3
+from tests.test_store_delta import interleaved
+from tests.test_store_delta import session as agent_session
 
 pytestmark = pytest.mark.slow
 
@@ -182,7 +182,7 @@ def test_no_reader_gets_a_part_under_a_whole_prompts_name(
             parts += prompt is None
         assert parts == 2 * 5, reader  # each rollout's calls after its first
     con = duckdb.connect()
-    con.execute((Path(__file__).parent.parent / "polar_mitm/store/polar.sql").read_text())
+    con.execute((ROOT / "polar_mitm/store/polar.sql").read_text())
     whole = con.execute(
         f"SELECT call_id, prompt_token_ids, request_json FROM polar_calls('{out}')"
     ).fetchall()

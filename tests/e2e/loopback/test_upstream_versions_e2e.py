@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from .clients import RUN_SHELL, http_client, openai_client
-from .test_capture_e2e import calls_of
-from .upstreams import aborting_scenario
+from tests.e2e.loopback.test_capture_e2e import calls_of
+from tests.helpers import TESTS
+from tests.helpers.clients import RUN_SHELL, http_client, openai_client
+from tests.helpers.upstreams import aborting_scenario
 
-GOLDEN = Path(__file__).parent / "golden"
-DIALECTS = Path(__file__).parent / "scenarios" / "dialects.json"
-THREE_TURNS = Path(__file__).parent / "scenarios" / "three_turns.json"
+GOLDEN = TESTS / "golden"
+DIALECTS = TESTS / "scenarios" / "dialects.json"
+THREE_TURNS = TESTS / "scenarios" / "three_turns.json"
 MESSAGES_URL = "https://api.anthropic.com/v1/messages?beta=true"
 CHAT_URL = "https://api.openai.com/v1/chat/completions"
 DROPPED = "max_tokens=128000 dropped"

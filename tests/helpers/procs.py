@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from . import ROOT
+
 BIN = Path(sys.executable).parent
 MITMDUMP = str(BIN / "mitmdump")
 
