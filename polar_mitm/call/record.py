@@ -7,6 +7,8 @@ the columns of `store.schema.CALLS_SCHEMA`.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import re
@@ -226,7 +228,8 @@ _NOT_NULL_LISTS = frozenset({"output_token_ids", "output_logprobs"})
 
 
 class CallSink(Protocol):
-    """Anything that wants finished calls: the store, trajectories, fidelity checks.
+    """Anything that wants finished calls: the call's pipeline (`addons/pipeline.py`), and the
+    store and the metrics at its end.
 
     A sink may return a *receipt*: a `concurrent.futures.Future` (or an awaitable) that is done
     once the record is durable (the store: fsynced in the journal). The gateway holds the last
@@ -250,6 +253,22 @@ def deliver(record: CallRecord, sinks: Iterable[CallSink]) -> list[Any]:
         if receipt is not None:
             receipts.append(receipt)
     return receipts
+
+
+def one_receipt(receipts: list[Any]) -> Any:
+    """The sinks' receipts as one awaitable (or None when there is nothing to wait for)."""
+    if not receipts:
+        return None
+    if len(receipts) == 1:
+        return receipts[0]
+    return asyncio.gather(*(awaitable(r) for r in receipts))
+
+
+def awaitable(receipt: Any) -> Any:
+    """A receipt the event loop can await (a thread's `concurrent.futures.Future` is wrapped)."""
+    if isinstance(receipt, concurrent.futures.Future):
+        return asyncio.wrap_future(receipt)
+    return receipt
 
 
 def redact_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
