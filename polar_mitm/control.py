@@ -47,7 +47,7 @@ from aiohttp import web
 from .trajectory.rollouts import RolloutError, Rollouts
 
 if TYPE_CHECKING:  # metrics.py imports prometheus_client: only when a proxy serves /metrics
-    from .call.record import CallRecord  # (and call/record.py msgspec: not in NeMo Gym's venv)
+    from .core.record import CallRecord  # (and the store it imports: not in NeMo Gym's venv)
     from .metrics import MetricsAddon
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from polar_mitm.addons.pipeline import CallPipeline  # noqa: E402
 from polar_mitm.assets import qwen3_tokenizer_dir  # noqa: E402
-from polar_mitm.call.record import CallRecord  # noqa: E402
+from polar_mitm.core.record import CallRecord  # noqa: E402
 from polar_mitm.tokens.conversation import render_input  # noqa: E402
 from polar_mitm.tokens.fidelity import CHECK, OFF, FidelityStage  # noqa: E402
 from polar_mitm.tokens.tokenizer import load_tokenizer  # noqa: E402

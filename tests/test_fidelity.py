@@ -13,7 +13,7 @@ import pytest
 
 from polar_mitm.addons.pipeline import CallPipeline
 from polar_mitm.assets import install_tiktoken_cache, qwen3_tokenizer_dir, qwen_tiktoken_file
-from polar_mitm.call.record import CallRecord
+from polar_mitm.core.record import CallRecord
 from polar_mitm.tokens.conversation import render_input
 from polar_mitm.tokens.drift import first_difference, roundtrip, wrong_tokens
 from polar_mitm.tokens.fidelity import CHECK, STRICT, FidelityStage

@@ -20,20 +20,18 @@ from mitmproxy import ctx, http
 
 from ..call.exchange import Call, UpstreamSettings
 from ..call.gateway import Gateway
-from ..call.identity import API_KEY_PREFIX, KEY_HEADERS, KEY_PARAM
-from ..call.record import (
+from ..call.identity import API_KEY_PREFIX, KEY_PARAM
+from ..control import ControlState
+from ..core.record import CallRecord, CallSink, deliver, now_us
+from ..core.redaction import (
+    KEY_HEADERS,
     REDACTED,
     SECRET_HEADERS,
-    CallRecord,
-    CallSink,
-    deliver,
-    now_us,
     redact_headers,
     redacted_json,
     scrub,
     secret_values,
 )
-from ..control import ControlState
 from ..dialects import Dialect, DialectError, HarnessRequest, detect
 from ..metrics import ProxyMetrics
 from ..tokens.count import PromptCounter

@@ -23,8 +23,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..call.record import CallRecord, CallSink, deliver, one_receipt
 from ..control import ControlState
+from ..core.record import CallRecord, CallSink, deliver, one_receipt
 from ..tokens.drift import CONTEXT
 from ..tokens.fidelity import FidelityStage, Findings, RerenderJob
 from ..tokens.tokenizer import PolicyTokenizer

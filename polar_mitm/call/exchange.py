@@ -27,15 +27,16 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from .. import fastjson
+from ..core import fastjson
+from ..core.record import CallRecord, CallSink, deliver, now_us
+from ..core.redaction import redacted_json
+from ..core.sse import SSEParser
 from ..dialects import Dialect, HarnessRequest, StreamTranslator
 from ..dialects.assemble import ChatAssembler, reply_to_chunks
 from ..tokens.retokenize import RetokenizeJob, Retokenizer
 from ..trajectory.exact_prefix import ExactPrefix, Lookup, put_note
 from ..upstream import TokenTally, Upstream
 from ..upstream.constraints import PASS, ThinkMarkers, note_constraints, upstream_chat
-from .record import CallRecord, CallSink, deliver, now_us, redacted_json
-from .sse import SSEParser
 from .token_in import TokenInReply
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..call.sse import encode_json
+from ..core.sse import encode_json
 from . import compaction
 from .assemble import ToolCallParts, reply_to_chunks
 from .base import Dialect, DialectError, HarnessRequest, load_json_object, optional

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..call.record import CallRecord, awaitable, one_receipt
+from ..core.record import CallRecord, awaitable, one_receipt
 from ..upstream.constraints import CONSTRAINED_SAMPLING
 from .drift import (
     CONTEXT,

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ..call.record import CallRecord, now_us
+from ..core.record import CallRecord, now_us
 from ..tokens.drift import trace_summary
 from .merge import CallFacts, Merger, Placement, TraceMeta, trace_row, untrainable_reasons
 

@@ -37,7 +37,7 @@ class Outcome:
 
 class SSEReader:
     """The `data:` payloads of a stream fed in pieces (written here, independent of
-    polar_mitm.call.sse; the proxy writes `\\n` line ends). Resumes its search where it stopped, so a
+    polar_mitm.core.sse; the proxy writes `\\n` line ends). Resumes its search where it stopped, so a
     64 MB event arriving in 64 KB pieces costs one pass, not a thousand."""
 
     def __init__(self) -> None:
