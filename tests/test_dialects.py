@@ -1398,7 +1398,7 @@ def test_custom_input_other_shapes():
     ],
 )
 def test_output_cap_refusal_is_recognized(message, cap_refused):
-    from polar_mitm.call.exchange import cap_refused as refused
+    from polar_mitm.call.failures import cap_refused as refused
 
     assert refused(message) is cap_refused
 
