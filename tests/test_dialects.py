@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from polar_mitm.dialects import DialectError, by_name, detect
 from polar_mitm.dialects.assemble import reply_to_chunks
 from polar_mitm.dialects.convert import seal, unseal
-from polar_mitm.dialects.openai_responses import _InputDecoder, custom_input
+from polar_mitm.dialects.responses_stream import _InputDecoder, custom_input
 
 RESPONSES = by_name("openai_responses")
 MESSAGES = by_name("anthropic_messages")
