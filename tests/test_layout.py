@@ -311,3 +311,28 @@ def test_a_planted_violation_is_found(tmp_path: Path, files: dict[str, str], exp
     assert any(line.startswith(expected) for line in found), found
     # and the same tree without the planted files keeps the rules
     assert violations(_plant(tmp_path / "clean", {"store/writer.py": ""})) == []
+
+
+# -- size: a module is read in one sitting --------------------------------------------------------
+
+MAX_MODULE_LINES = 700
+
+
+def long_modules(root: Path) -> list[str]:
+    """Every module under `root/polar_mitm` longer than `MAX_MODULE_LINES`."""
+    out = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > MAX_MODULE_LINES:
+            out.append(f"{path.relative_to(root)}: {n} lines (at most {MAX_MODULE_LINES})")
+    return out
+
+
+def test_no_module_is_over_700_lines() -> None:
+    found = long_modules(ROOT)
+    assert not found, "\n".join(found)
+
+
+def test_a_planted_long_module_is_found(tmp_path: Path) -> None:
+    root = _plant(tmp_path, {"call/exchange.py": "x = 1\n" * (MAX_MODULE_LINES + 1)})
+    assert long_modules(root) == ["polar_mitm/call/exchange.py: 701 lines (at most 700)"]
