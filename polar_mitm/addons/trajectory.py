@@ -7,8 +7,8 @@ import asyncio
 from mitmproxy import ctx
 
 from ..control import ControlState
-from ..trajectory.merge import ALLOW_CHOICES
 from ..trajectory.rollouts import Rollouts
+from ..trajectory.rows import ALLOW_CHOICES
 from .exact_prefix import ExactPrefixAddon
 from .options import _errors, _seconds, log
 from .store import StoreAddon

@@ -23,7 +23,8 @@ from typing import Any
 
 from ..core.record import CallRecord, now_us
 from ..tokens.drift import trace_summary
-from .merge import CallFacts, Merger, Placement, TraceMeta, trace_row, untrainable_reasons
+from .merge import CallFacts, Merger, Placement
+from .rows import TraceMeta, trace_row, untrainable_reasons
 
 log = logging.getLogger(__name__)
 STATUSES = ("completed", "incomplete", "error")
