@@ -336,3 +336,87 @@ def test_no_module_is_over_700_lines() -> None:
 def test_a_planted_long_module_is_found(tmp_path: Path) -> None:
     root = _plant(tmp_path, {"call/exchange.py": "x = 1\n" * (MAX_MODULE_LINES + 1)})
     assert long_modules(root) == ["polar_mitm/call/exchange.py: 701 lines (at most 700)"]
+
+
+# -- size: a function is read at a glance ---------------------------------------------------------
+
+MAX_FUNCTION_LINES = 60
+# Functions allowed past the limit, each with why it stays whole (or what splitting it waits for).
+# An entry that no longer exists, or is back under the limit, fails the test: take it out.
+LONG_FUNCTIONS = {
+    "polar_mitm/store/writer.py:Store.__init__": "the Store's whole state, each field commented",
+    "polar_mitm/store/writer.py:Store.close": "the shutdown order of the two threads, one sequence",
+    "polar_mitm/store/recovery.py:scan_journal": "one pass over the segments, its cases in order",
+    "polar_mitm/policy_server/vllm_wire.py:VllmWire._stream": "test tool: vLLM's chunks in order",
+    "polar_mitm/policy_server/vllm_wire.py:VllmWire.parse_chat": "test tool: vLLM's checks in order",
+    "polar_mitm/policy_server/sglang_wire.py:SglangWire._stream": "test tool: SGLang's chunks",
+    "polar_mitm/policy_server/sglang_wire.py:SglangWire.chat_reply": "test tool: SGLang's reply",
+    "polar_mitm/policy_server/server.py:PolicyServer.play": "test tool: one scripted turn's knobs",
+    "polar_mitm/policy_server/completions.py:completion_plan": "test tool: the request's fields",
+    "polar_mitm/policy_server/cli.py:policy_server": "test tool: a click command's options",
+    "polar_mitm/nemo_gym/agent.py:PolarMitmAgent._rollout": "one Gym rollout's steps, in order",
+    "polar_mitm/dialects/openai_responses.py:OpenAIResponses.parse": "the request's fields in order",
+    "polar_mitm/dialects/anthropic_messages.py:AnthropicMessages.parse": "the request's fields",
+    "polar_mitm/cli/fidelity_report.py:fidelity": "one report's rows, read top to bottom",
+    "polar_mitm/cli/show.py:header": "one trace's header lines, in the order shown",
+    "polar_mitm/cli/report_html.py:render": "one HTML page's sections, in the order shown",
+    "polar_mitm/cli/app.py:export": "a click command: its options and their checks",
+    "polar_mitm/cli/app.py:show": "a click command: its options and their checks",
+    "polar_mitm/tokens/fidelity.py:rerender_checks": "one walk over the turns; to split next",
+    "polar_mitm/tokens/fidelity.py:local_checks": "the call's own checks, one after another",
+    "polar_mitm/control.py:ControlAPI._route": "the control plane's routes, one table",
+    "polar_mitm/call/exchange.py:Call._fill": "the record's fields from the tally; to split next",
+    "polar_mitm/trajectory/exact_prefix.py:ExactPrefix.plan": "the token-in plan's cases in order",
+}
+
+
+def long_functions(root: Path) -> dict[str, int]:
+    """Every function under `root/polar_mitm` longer than `MAX_FUNCTION_LINES` (its `def` line to
+    its last, decorators aside) -> its length, as ``path:Class.method``."""
+    out: dict[str, int] = {}
+
+    def walk(node: ast.AST, rel: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                n = (child.end_lineno or child.lineno) - child.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out[f"{rel}:{name}"] = n
+                walk(child, rel, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, rel, prefix + child.name + ".")
+
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        walk(ast.parse(path.read_text(), str(path)), str(path.relative_to(root)), "")
+    return out
+
+
+def function_violations(root: Path, allowed: dict[str, str]) -> list[str]:
+    found = long_functions(root)
+    out = [
+        f"{name}: {n} lines (at most {MAX_FUNCTION_LINES}): split it into named steps"
+        for name, n in sorted(found.items())
+        if name not in allowed
+    ]
+    out.extend(
+        f"{name}: allowed to be long but is not (any more): take it out of LONG_FUNCTIONS"
+        for name in sorted(allowed)
+        if name not in found
+    )
+    return out
+
+
+def test_no_function_is_over_60_lines_unless_allowed() -> None:
+    found = function_violations(ROOT, LONG_FUNCTIONS)
+    assert not found, "\n".join(found)
+
+
+def test_a_planted_long_function_and_a_stale_allowance_are_found(tmp_path: Path) -> None:
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    root = _plant(tmp_path, {"call/exchange.py": f"class Call:\n    def run(self):\n{body}"})
+    found = function_violations(root, {"polar_mitm/call/gone.py:f": "was long"})
+    assert found == [
+        "polar_mitm/call/exchange.py:Call.run: 61 lines (at most 60): split it into named steps",
+        "polar_mitm/call/gone.py:f: allowed to be long but is not (any more): take it out of "
+        "LONG_FUNCTIONS",
+    ]
