@@ -103,6 +103,7 @@ class CaptureAddon:
     def __init__(
         self,
         identity: RolloutIdentityAddon,
+        *,
         sinks: Sequence[CallSink],
         retokenize: RetokenizeAddon | None = None,
         control: ControlState | None = None,

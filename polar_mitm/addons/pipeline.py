@@ -135,7 +135,14 @@ def rerender_job(chain: Chain, lcp: int) -> RerenderJob | None:
         end = chain.call_offsets[j + 1] if j + 1 < n else len(chain)
         turns.append((chain.calls[j].call_id, chain.call_offsets[j], chain.output_offsets[j], end))
     base = min(chain.call_offsets[i], max(0, lcp - CONTEXT))
-    return RerenderJob(chain.trace_id, lcp, base, chain.tokens[base:], turns, where)
+    return RerenderJob(
+        parent_trace_id=chain.trace_id,
+        lcp=lcp,
+        base=base,
+        tokens=chain.tokens[base:],
+        turns=turns,
+        where=where,
+    )
 
 
 def _parent(rollout: Rollout, placement: Placement) -> Chain | None:

@@ -101,12 +101,12 @@ class Store(ShardThread):
     def __init__(
         self,
         output: str | os.PathLike[str] = "./polar-data",
+        *,
         journal_dir: str | os.PathLike[str] | None = None,
         proxy_id: str | None = None,
         flush_rows: int = 512,
         flush_bytes: int = 64 << 20,
         flush_age_s: float = 30.0,
-        *,
         filesystem: pafs.FileSystem | None = None,
         max_pending_bytes: int | None = None,
     ) -> None:

@@ -70,7 +70,7 @@ PROMPT_COUNT_MISMATCH = "prompt_count_mismatch"
 _SNIPPET = 40  # characters either side of special-token text in a request
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RerenderJob:
     """What the merge knows about a ``rerender`` break, copied on the event loop: the parent
     chain from just before the common prefix on, and where its calls' tokens lie."""
