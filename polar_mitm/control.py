@@ -47,7 +47,7 @@ from aiohttp import web
 from .trajectory.rollouts import RolloutError, Rollouts
 
 if TYPE_CHECKING:  # metrics.py imports prometheus_client: only when a proxy serves /metrics
-    from .call.record import CallRecord  # (and call/record.py msgspec: not in NeMo Gym's venv)
+    from .core.record import CallRecord  # (and the store it imports: not in NeMo Gym's venv)
     from .metrics import MetricsAddon
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class ControlState:
     """Policy version, the pause gate, and the calls in flight: shared by the capture path
     (which waits at the gate and stamps the version) and the control API.
 
-    It is also a `CallSink`, and must be the first one: it stamps `policy_version_end` on each
-    finished record before the store and the trajectories see it. (A call's own `trainable`
+    It is also the first step of the call's pipeline (`addons/pipeline.py`): it stamps
+    `policy_version_end` on each finished record before the store and the trajectories see it. (A call's own `trainable`
     stays the capture path's verdict on its tokens; the traces of a rollout whose calls span
     two versions are marked untrainable, see `trajectory.untrainable_reasons`.)
     """

@@ -31,8 +31,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from .call.record import CallRecord
-from .record_facts import checked_with_tokenizer, harness_of_agent
+from .core.record import CallRecord
+from .core.record_facts import checked_with_tokenizer, harness_of_agent
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from polar_mitm.assets import qwen3_tokenizer_dir  # noqa: E402
-from polar_mitm.call.record import CallRecord  # noqa: E402
+from polar_mitm.core.record import CallRecord  # noqa: E402
 from polar_mitm.output_parsers import family  # noqa: E402
 from polar_mitm.tokens.conversation import render_input  # noqa: E402
 from polar_mitm.tokens.tokenizer import load_tokenizer  # noqa: E402

@@ -6,7 +6,7 @@
 A tool-loop rollout is built with the real Qwen3 tokenizer and chat template (each prompt the
 template's rendering of the conversation so far, each output the turn as the template writes
 it, reasoning included; the prompt grows from about 300 to several thousand tokens). Every call
-goes through `FidelityStage.call_finished` as the capture path hands it over, with the store
+goes through `CallPipeline.call_finished` as the capture path hands it over, with the store
 replaced by building the calls/ row (`record.to_row()`), and is timed in CPU time of this thread:
 
 - off: merge into the rollout + the row (what the proxy did per call before the checks);
@@ -41,8 +41,9 @@ from array import array
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from polar_mitm.addons.pipeline import CallPipeline  # noqa: E402
 from polar_mitm.assets import qwen3_tokenizer_dir  # noqa: E402
-from polar_mitm.call.record import CallRecord  # noqa: E402
+from polar_mitm.core.record import CallRecord  # noqa: E402
 from polar_mitm.tokens.conversation import render_input  # noqa: E402
 from polar_mitm.tokens.fidelity import CHECK, OFF, FidelityStage  # noqa: E402
 from polar_mitm.tokens.tokenizer import load_tokenizer  # noqa: E402
@@ -136,8 +137,13 @@ def build(turns: int, drift_every: int) -> list[dict]:
 def run(calls: list[dict], mode: str) -> tuple[float, dict[str, int]]:
     """CPU seconds of the stage over the rollout, and the flags it raised."""
     tok = load_tokenizer(str(qwen3_tokenizer_dir())) if mode != OFF else None
-    stage = FidelityStage(Rollouts(lambda rows: None), [RowSink()])
-    stage.configure(mode, tok)
+    stage = CallPipeline(
+        control=None,
+        rollouts=Rollouts(lambda rows: None),
+        checks=FidelityStage(),
+        final=[RowSink()],
+    )
+    stage.configure_checks(mode, tok)
     flags: dict[str, int] = {}
     spent = 0.0
     for c in calls:

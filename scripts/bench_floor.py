@@ -7,7 +7,7 @@ for token ids and logprobs (so every chunk carries them) and JSON-decode each st
 read them. The chunks go on to the client unchanged (no translation, no stripping, nothing
 written): whatever polar-mitm costs above this column is its own work, not the price of capture.
 The request's rewrite and every event are decoded with msgspec, the fastest JSON decoder in reach
-and the one polar-mitm uses (`polar_mitm/fastjson.py`): a floor the stdlib's `json` would raise
+and the one polar-mitm uses (`polar_mitm/core/fastjson.py`): a floor the stdlib's `json` would raise
 (it decodes a 60k-id first chunk about twice as slowly).
 
 (map_remote + stream_large_bodies cannot be the floor: with request streaming on, the server

@@ -9,8 +9,8 @@ import json
 import timeit
 from types import SimpleNamespace
 
-from polar_mitm.call.record import CallRecord
 from polar_mitm.control import ControlState
+from polar_mitm.core.record import CallRecord
 from polar_mitm.metrics import ProxyMetrics
 
 m = ProxyMetrics(ControlState(), SimpleNamespace(open={}), SimpleNamespace(store=None))

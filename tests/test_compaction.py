@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from polar_mitm.call.sse import SSEParser
+from polar_mitm.core.sse import SSEParser
 from polar_mitm.dialects import DialectError, by_name, compaction, detect
 from polar_mitm.dialects.assemble import reply_to_chunks
 from polar_mitm.trajectory.lineage import agent_of

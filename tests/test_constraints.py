@@ -9,11 +9,12 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from polar_mitm.call.record import CallRecord
 from polar_mitm.cli.summary import summarize
+from polar_mitm.core.record import CallRecord
 from polar_mitm.export.base import ExportOptions, Record
 from polar_mitm.export.verl import arrays
-from polar_mitm.trajectory.merge import CallFacts, Merger, TraceMeta, trace_row
+from polar_mitm.trajectory.merge import CallFacts, Merger
+from polar_mitm.trajectory.rows import TraceMeta, trace_row
 from polar_mitm.trajectory.traceview import segments
 from polar_mitm.upstream.constraints import (
     DROP,

@@ -8,8 +8,8 @@ from array import array
 
 import pytest
 
-from polar_mitm.call.record import CallRecord
 from polar_mitm.control import ControlAPI, ControlClient, ControlState, encode, parse_listen
+from polar_mitm.core.record import CallRecord
 from polar_mitm.trajectory.rollouts import RolloutError, Rollouts
 
 TOKEN = "t0ken-for-tests"

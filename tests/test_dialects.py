@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from polar_mitm.dialects import DialectError, by_name, detect
 from polar_mitm.dialects.assemble import reply_to_chunks
 from polar_mitm.dialects.convert import seal, unseal
-from polar_mitm.dialects.openai_responses import _InputDecoder, custom_input
+from polar_mitm.dialects.responses_stream import _InputDecoder, custom_input
 
 RESPONSES = by_name("openai_responses")
 MESSAGES = by_name("anthropic_messages")
@@ -1398,7 +1398,7 @@ def test_custom_input_other_shapes():
     ],
 )
 def test_output_cap_refusal_is_recognized(message, cap_refused):
-    from polar_mitm.call.exchange import cap_refused as refused
+    from polar_mitm.call.failures import cap_refused as refused
 
     assert refused(message) is cap_refused
 

@@ -209,7 +209,7 @@ def test_a_longer_chain_replaces_the_one_it_extends_and_chains_are_bounded(book_
 
 
 def test_compare_notes_what_chat_mode_would_have_sent(book_factory):
-    from polar_mitm.call.record import CallRecord
+    from polar_mitm.core.record import CallRecord
 
     book = book_factory()
     messages = [SYSTEM, USER]

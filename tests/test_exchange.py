@@ -15,7 +15,7 @@ import aiohttp
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.call.exchange import Call, UpstreamSettings
-from polar_mitm.call.record import CallRecord
+from polar_mitm.core.record import CallRecord
 from polar_mitm.dialects.openai_chat import OpenAIChat
 from polar_mitm.policy_server import PolicyServer, ServerConfig
 from polar_mitm.policy_server.scenario import load_scenario

@@ -1,4 +1,4 @@
-"""polar_mitm/fastjson.py: msgspec where it gives the stdlib's value, the stdlib where it does not."""
+"""polar_mitm/core/fastjson.py: msgspec where it gives the stdlib's value, the stdlib where it does not."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_mitm import fastjson
+from polar_mitm.core import fastjson
 
 JSON = st.recursive(
     st.none()

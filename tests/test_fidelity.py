@@ -1,5 +1,6 @@
 """Fidelity checks on drifts built for real: the Qwen3 tokenizer and chat template (and tiktoken
-tokenizers), calls merged by the real `Rollouts` and checked by `FidelityStage`."""
+tokenizers), calls merged by the real `Rollouts` and checked by `FidelityStage`, both steps of
+the real `CallPipeline`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from polar_mitm.addons.pipeline import CallPipeline
 from polar_mitm.assets import install_tiktoken_cache, qwen3_tokenizer_dir, qwen_tiktoken_file
-from polar_mitm.call.record import CallRecord
+from polar_mitm.core.record import CallRecord
 from polar_mitm.tokens.conversation import render_input
 from polar_mitm.tokens.drift import first_difference, roundtrip, wrong_tokens
 from polar_mitm.tokens.fidelity import CHECK, STRICT, FidelityStage
@@ -87,8 +89,11 @@ class Rollout:
         self.stored: list[CallRecord] = []
         self.traces: list[dict] = []
         self.rollouts = Rollouts(self.traces.extend)
-        self.stage = FidelityStage(self.rollouts, [self])
-        self.stage.configure(mode, tpl.tok)
+        self.pipeline = CallPipeline(
+            control=None, rollouts=self.rollouts, checks=FidelityStage(), final=[self]
+        )
+        self.pipeline.configure_checks(mode, tpl.tok)
+        self.stage = self.pipeline.checks
 
     def call_finished(self, record: CallRecord) -> None:  # the store
         self.stored.append(record)
@@ -124,7 +129,7 @@ class Rollout:
             usage_completion_tokens=len(out),
             request_json=json.dumps(body),
         )
-        self.stage.call_finished(record)  # no event loop here: checked inline
+        self.pipeline.call_finished(record)  # no event loop here: checked inline
         return record
 
     def end(self) -> list[dict]:
@@ -538,7 +543,6 @@ def test_special_token_text_in_the_output_and_in_the_request(qwen):
 
 def test_count_mismatch_says_where_the_counts_part(qwen):
     r = Rollout(Template(qwen, hf=qwen))
-    stage = r.stage
     ids = qwen.encode("Hello.<|im_end|>")
     record = CallRecord(
         rollout_id="r.0",
@@ -553,7 +557,7 @@ def test_count_mismatch_says_where_the_counts_part(qwen):
         count_check="mismatch",
     )
     record.flag("count_mismatch")
-    stage.call_finished(record)
+    r.pipeline.call_finished(record)
     d = data(record)["count_mismatch"]
     assert (d["part"], d["ids"], d["usage"], d["position"]) == (
         "output",
@@ -625,7 +629,7 @@ def test_off_checks_nothing(qwen):
 def test_without_a_tokenizer_positions_are_still_found(qwen):
     tpl = Template(qwen, hf=qwen)
     r = Rollout(tpl)
-    r.stage.configure(CHECK, None)
+    r.pipeline.configure_checks(CHECK, None)
     reply = {
         "role": "assistant",
         "content": "",

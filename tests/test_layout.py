@@ -6,8 +6,11 @@ the store and never pulls in the proxy's live modules; `call/` and everything el
 addons never import `addons/`; nothing but the CLI imports the CLI (the live proxy least of all),
 nor anything but the reference policy server that server; the store and the upstream modules
 are floors that import nothing of the package above them; `store/delta.py` imports nothing of it
-at all (scripts/train_check.py loads it by path in a venv without polar-mitm). Parsing, not
-importing, so the test is fast and sees the lazy imports too.
+at all (scripts/train_check.py loads it by path in a venv without polar-mitm). And the package is
+a house of floors (`FLOOR_ORDER`), every import pointing down or level: the shared vocabulary
+(`core/`: the record, redaction, SSE framing, the hot path's JSON) on the ground floor, the CLI and
+the reference policy server at the top. Parsing, not importing, so the test is fast and sees the
+lazy imports too.
 """
 
 from __future__ import annotations
@@ -39,6 +42,31 @@ PRIVATE = ("polar_mitm.cli", "polar_mitm.policy_server")
 # version, aside): the store is what every reader needs without the proxy, and an upstream module
 # knows one server's wire, nothing of the proxy.
 FLOORS = ("polar_mitm.store", "polar_mitm.upstream")
+# The floors, lowest first: a module imports only modules on its own floor or below (no cycles
+# within a floor either: see `cycles`). Each entry is a package or a module, and a module's floor
+# is its longest entry; the package root ("polar_mitm", for its version) is matched alone.
+FLOOR_ORDER: tuple[tuple[str, ...], ...] = (
+    # import nothing of the package: the store floor (whose `delta` module is loaded by path, so
+    # the record names the store's row key, not the other way round), one server's wire, the
+    # output parsers, the bundled assets and the CA certificate
+    (
+        PACKAGE,
+        "polar_mitm.store",
+        "polar_mitm.upstream",
+        "polar_mitm.output_parsers",
+        "polar_mitm.assets",
+        "polar_mitm.certs",
+    ),
+    ("polar_mitm.core",),  # the shared vocabulary: the call record, redaction, SSE, fast JSON
+    ("polar_mitm.dialects",),  # one harness wire API each
+    ("polar_mitm.tokens",),  # the tokenizer, drift, the fidelity checks
+    ("polar_mitm.trajectory",),  # the merge, the rollouts, trace rows read back
+    ("polar_mitm.call",),  # one call in flight: the gateway and the exchange
+    ("polar_mitm.metrics", "polar_mitm.control", "polar_mitm.tokenizer_record"),
+    ("polar_mitm.export", "polar_mitm.nemo_gym"),
+    ("polar_mitm.addons",),  # the mitmproxy addons, composed by addons/polar.py
+    ("polar_mitm.cli", "polar_mitm.policy_server"),  # the top floor
+)
 # Modules loaded by path where polar_mitm is not installed: no import of the package at all, and
 # of other distributions only these (scripts/train_check.py's trainer venv has numpy, pyarrow).
 STANDALONE = {"polar_mitm.store.delta": {"numpy", "pyarrow"}}
@@ -133,10 +161,39 @@ def under(module: str, prefixes: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
+def floor_of(module: str) -> int | None:
+    """The index of `module`'s floor in `FLOOR_ORDER` (None: on no floor)."""
+    best: tuple[int, int] | None = None  # (length of the entry, floor)
+    for floor, entries in enumerate(FLOOR_ORDER):
+        for entry in entries:
+            hit = module == entry or (entry != PACKAGE and module.startswith(entry + "."))
+            if hit and (best is None or len(entry) > best[0]):
+                best = (len(entry), floor)
+    return best[1] if best is not None else None
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module on a higher floor, and every module on no floor."""
+    out = []
+    for module in sorted(graph):
+        mine = floor_of(module)
+        if mine is None:
+            out.append(f"{module} is on no floor: add it to FLOOR_ORDER")
+            continue
+        for target in sorted(graph[module]):
+            theirs = floor_of(target)
+            if theirs is not None and theirs > mine:
+                out.append(
+                    f"{module} imports {target}: an upward import (floor {mine} -> {theirs})"
+                )
+    return out
+
+
 def violations(root: Path) -> list[str]:
     """Every broken house rule, one line each (empty when the tree keeps them all)."""
     graph = import_graph(root)
     out = [f"import cycle: {' <-> '.join(c)}" for c in cycles(graph)]
+    out.extend(upward(graph))
     for module in sorted(graph):
         if under(module, ("polar_mitm.cli",)):
             rule, banned = "the CLI reads the store, never the proxy's live modules", LIVE
@@ -203,10 +260,10 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
         (  # the CLI reaching a live module through a helper
             {
                 "cli/app.py": "from polar_mitm.tokens import helper\n",
-                "tokens/helper.py": "from ..call.record import CallRecord\n",
-                "call/record.py": "",
+                "tokens/helper.py": "from ..call.exchange import Call\n",
+                "call/exchange.py": "",
             },
-            "polar_mitm.cli.app imports polar_mitm.call.record (via polar_mitm.tokens.helper)",
+            "polar_mitm.cli.app imports polar_mitm.call.exchange (via polar_mitm.tokens.helper)",
         ),
         (  # a call module importing an addon, by `import`
             {"call/exchange.py": "import polar_mitm.addons.capture\n", "addons/capture.py": ""},
@@ -224,6 +281,21 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
             {"store/writer.py": "from ..tokens import count\n", "tokens/count.py": ""},
             "polar_mitm.store.writer imports polar_mitm.tokens.count: polar_mitm.store is a floor",
         ),
+        (  # the shared vocabulary reaching up into a call in flight
+            {"core/record.py": "from ..call.exchange import Call\n", "call/exchange.py": ""},
+            "polar_mitm.core.record imports polar_mitm.call.exchange: an upward import",
+        ),
+        (  # a dialect borrowing from the merge, one floor up, by a deferred import
+            {
+                "dialects/openai_chat.py": "def f():\n    from ..trajectory import merge\n",
+                "trajectory/merge.py": "",
+            },
+            "polar_mitm.dialects.openai_chat imports polar_mitm.trajectory.merge: an upward",
+        ),
+        (  # a new room nobody placed
+            {"attic/box.py": ""},
+            "polar_mitm.attic is on no floor",
+        ),
         (  # the module the trainer venv loads by path, importing the package
             {"store/delta.py": "from . import schema\n", "store/schema.py": ""},
             "polar_mitm.store.delta imports polar_mitm.store.schema: it is loaded by path",
@@ -239,3 +311,112 @@ def test_a_planted_violation_is_found(tmp_path: Path, files: dict[str, str], exp
     assert any(line.startswith(expected) for line in found), found
     # and the same tree without the planted files keeps the rules
     assert violations(_plant(tmp_path / "clean", {"store/writer.py": ""})) == []
+
+
+# -- size: a module is read in one sitting --------------------------------------------------------
+
+MAX_MODULE_LINES = 700
+
+
+def long_modules(root: Path) -> list[str]:
+    """Every module under `root/polar_mitm` longer than `MAX_MODULE_LINES`."""
+    out = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > MAX_MODULE_LINES:
+            out.append(f"{path.relative_to(root)}: {n} lines (at most {MAX_MODULE_LINES})")
+    return out
+
+
+def test_no_module_is_over_700_lines() -> None:
+    found = long_modules(ROOT)
+    assert not found, "\n".join(found)
+
+
+def test_a_planted_long_module_is_found(tmp_path: Path) -> None:
+    root = _plant(tmp_path, {"call/exchange.py": "x = 1\n" * (MAX_MODULE_LINES + 1)})
+    assert long_modules(root) == ["polar_mitm/call/exchange.py: 701 lines (at most 700)"]
+
+
+# -- size: a function is read at a glance ---------------------------------------------------------
+
+MAX_FUNCTION_LINES = 60
+# Functions allowed past the limit, each with why it stays whole (or what splitting it waits for).
+# An entry that no longer exists, or is back under the limit, fails the test: take it out.
+LONG_FUNCTIONS = {
+    "polar_mitm/store/writer.py:Store.__init__": "the Store's whole state, each field commented",
+    "polar_mitm/store/writer.py:Store.close": "the shutdown order of the two threads, one sequence",
+    "polar_mitm/store/recovery.py:scan_journal": "one pass over the segments, its cases in order",
+    "polar_mitm/policy_server/vllm_wire.py:VllmWire._stream": "test tool: vLLM's chunks in order",
+    "polar_mitm/policy_server/vllm_wire.py:VllmWire.parse_chat": "test tool: vLLM's checks in order",
+    "polar_mitm/policy_server/sglang_wire.py:SglangWire._stream": "test tool: SGLang's chunks",
+    "polar_mitm/policy_server/sglang_wire.py:SglangWire.chat_reply": "test tool: SGLang's reply",
+    "polar_mitm/policy_server/server.py:PolicyServer.play": "test tool: one scripted turn's knobs",
+    "polar_mitm/policy_server/completions.py:completion_plan": "test tool: the request's fields",
+    "polar_mitm/policy_server/cli.py:policy_server": "test tool: a click command's options",
+    "polar_mitm/nemo_gym/agent.py:PolarMitmAgent._rollout": "one Gym rollout's steps, in order",
+    "polar_mitm/dialects/openai_responses.py:OpenAIResponses.parse": "the request's fields in order",
+    "polar_mitm/dialects/anthropic_messages.py:AnthropicMessages.parse": "the request's fields",
+    "polar_mitm/cli/fidelity_report.py:fidelity": "one report's rows, read top to bottom",
+    "polar_mitm/cli/show.py:header": "one trace's header lines, in the order shown",
+    "polar_mitm/cli/report_html.py:render": "one HTML page's sections, in the order shown",
+    "polar_mitm/cli/app.py:export": "a click command: its options and their checks",
+    "polar_mitm/cli/app.py:show": "a click command: its options and their checks",
+    "polar_mitm/tokens/fidelity.py:rerender_checks": "one walk over the turns; to split next",
+    "polar_mitm/tokens/fidelity.py:local_checks": "the call's own checks, one after another",
+    "polar_mitm/control.py:ControlAPI._route": "the control plane's routes, one table",
+    "polar_mitm/call/exchange.py:Call._fill": "the record's fields from the tally; to split next",
+    "polar_mitm/trajectory/exact_prefix.py:ExactPrefix.plan": "the token-in plan's cases in order",
+}
+
+
+def long_functions(root: Path) -> dict[str, int]:
+    """Every function under `root/polar_mitm` longer than `MAX_FUNCTION_LINES` (its `def` line to
+    its last, decorators aside) -> its length, as ``path:Class.method``."""
+    out: dict[str, int] = {}
+
+    def walk(node: ast.AST, rel: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                n = (child.end_lineno or child.lineno) - child.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out[f"{rel}:{name}"] = n
+                walk(child, rel, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, rel, prefix + child.name + ".")
+
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        walk(ast.parse(path.read_text(), str(path)), str(path.relative_to(root)), "")
+    return out
+
+
+def function_violations(root: Path, allowed: dict[str, str]) -> list[str]:
+    found = long_functions(root)
+    out = [
+        f"{name}: {n} lines (at most {MAX_FUNCTION_LINES}): split it into named steps"
+        for name, n in sorted(found.items())
+        if name not in allowed
+    ]
+    out.extend(
+        f"{name}: allowed to be long but is not (any more): take it out of LONG_FUNCTIONS"
+        for name in sorted(allowed)
+        if name not in found
+    )
+    return out
+
+
+def test_no_function_is_over_60_lines_unless_allowed() -> None:
+    found = function_violations(ROOT, LONG_FUNCTIONS)
+    assert not found, "\n".join(found)
+
+
+def test_a_planted_long_function_and_a_stale_allowance_are_found(tmp_path: Path) -> None:
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    root = _plant(tmp_path, {"call/exchange.py": f"class Call:\n    def run(self):\n{body}"})
+    found = function_violations(root, {"polar_mitm/call/gone.py:f": "was long"})
+    assert found == [
+        "polar_mitm/call/exchange.py:Call.run: 61 lines (at most 60): split it into named steps",
+        "polar_mitm/call/gone.py:f: allowed to be long but is not (any more): take it out of "
+        "LONG_FUNCTIONS",
+    ]

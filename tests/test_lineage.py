@@ -8,7 +8,8 @@ import json
 from mitmproxy.http import Headers
 
 from polar_mitm.trajectory.lineage import agent_of, is_agent, parent_agent, purpose_of
-from polar_mitm.trajectory.merge import CallFacts, Merger, untrainable_reasons
+from polar_mitm.trajectory.merge import CallFacts, Merger
+from polar_mitm.trajectory.rows import untrainable_reasons
 
 from .test_trajectory import EOT, SYSTEM, USER, body
 

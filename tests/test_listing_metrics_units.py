@@ -15,12 +15,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from polar_mitm.call.record import CallRecord
 from polar_mitm.cli.listing import Column, Listing, emit
 from polar_mitm.cli.top import Scrape, quantile
 from polar_mitm.control import ControlState
+from polar_mitm.core.record import CallRecord
+from polar_mitm.core.record_facts import checked_with_tokenizer
 from polar_mitm.metrics import ProxyMetrics, upstream_error_kind
-from polar_mitm.record_facts import checked_with_tokenizer
 
 IDS = [f"{'r' * 20}.{i}" for i in range(3)]
 CALL_IDS = [f"c{i:031x}" for i in range(3)]

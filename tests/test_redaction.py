@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_mitm.call.record import REDACTED, redact_obj, redacted_json
+from polar_mitm.core.redaction import REDACTED, redact_obj, redacted_json
 
 # Keys: credential names in any case and spelling the pattern allows, near misses, and ordinary
 # names; strings: text that looks like a credential key inside JSON text.
@@ -35,7 +35,7 @@ TEXT = st.sampled_from(
     ['{"api_key":"sk-1"}', ',"password":', '\\",\\"secret\\":', "plain", "", "é ünïcode"]
 ) | st.text(max_size=12)
 JSON = st.recursive(
-    # finite floats: NaN and Infinity are not JSON, and msgspec (polar_mitm/fastjson.py) writes
+    # finite floats: NaN and Infinity are not JSON, and msgspec (polar_mitm/core/fastjson.py) writes
     # them as null where the stdlib writes NaN
     st.none()
     | st.booleans()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_mitm.call.sse import SSEParser, encode
+from polar_mitm.core.sse import SSEParser, encode
 
 texts = st.text(
     alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=["Cs"]), max_size=40

@@ -168,7 +168,7 @@ def test_the_merge_names_the_base_and_the_encoder_keeps_no_ids(tmp_path: Path) -
     (`Placement.base`), so the encoder slices without a copy of the rollout's ids, also across
     chains (a break's base is its parent chain's last call). A base not yet journaled (the
     fidelity worker can finish calls out of order) means the row is stored whole."""
-    from polar_mitm.call.record import CallRecord
+    from polar_mitm.core.record import CallRecord
     from polar_mitm.store.delta import DELTA_BASE, PromptDelta
     from polar_mitm.trajectory.rollouts import Rollouts
 

@@ -17,10 +17,8 @@ from polar_mitm.trajectory.merge import (
     BLOCK,
     CallFacts,
     Merger,
-    TraceMeta,
-    trace_row,
-    untrainable_reasons,
 )
+from polar_mitm.trajectory.rows import TraceMeta, trace_row, untrainable_reasons
 
 EOT = 99  # end-of-turn id in the hand-made sequences
 

@@ -20,20 +20,18 @@ from mitmproxy import ctx, http
 
 from ..call.exchange import Call, UpstreamSettings
 from ..call.gateway import Gateway
-from ..call.identity import API_KEY_PREFIX, KEY_HEADERS, KEY_PARAM
-from ..call.record import (
+from ..call.identity import API_KEY_PREFIX, KEY_PARAM
+from ..control import ControlState
+from ..core.record import CallRecord, CallSink, deliver, now_us
+from ..core.redaction import (
+    KEY_HEADERS,
     REDACTED,
     SECRET_HEADERS,
-    CallRecord,
-    CallSink,
-    deliver,
-    now_us,
     redact_headers,
     redacted_json,
     scrub,
     secret_values,
 )
-from ..control import ControlState
 from ..dialects import Dialect, DialectError, HarnessRequest, detect
 from ..metrics import ProxyMetrics
 from ..tokens.count import PromptCounter
@@ -105,6 +103,7 @@ class CaptureAddon:
     def __init__(
         self,
         identity: RolloutIdentityAddon,
+        *,
         sinks: Sequence[CallSink],
         retokenize: RetokenizeAddon | None = None,
         control: ControlState | None = None,
@@ -363,10 +362,39 @@ class CaptureAddon:
     # -- helpers ------------------------------------------------------------------------
 
     async def _start_call(self, flow: http.HTTPFlow, dialect: Dialect, path: str) -> None:
+        """A recognized LLM call: its record, its parsed request (or a refusal in its dialect's
+        shape), then a local answer or the gateway that runs it upstream."""
+        secrets = _secrets(flow)
+        record = self._new_record(flow, dialect, path, secrets)
+        req = self._read_request(flow, dialect, path, record, secrets)
+        if req is None:
+            return
+        self._describe(record, req, flow.request.headers)
+        if req.local:
+            await self._answer_locally(flow, dialect, req, record)
+            return
+        call = Call(
+            record,
+            dialect,
+            req,
+            settings=await self._settings(),
+            sinks=self.sinks,
+            secrets=secrets,
+            on_done=self._call_done,
+        )
+        if self.metrics is not None:
+            call.on_hold = self.metrics.durable_hold
+        self.live[record.call_id] = call
+        if self.control is not None:
+            self.control.call_started(record.call_id, record.rollout_id)
+        self._to_gateway(flow, call)
+
+    def _new_record(
+        self, flow: http.HTTPFlow, dialect: Dialect, path: str, secrets: list[str]
+    ) -> CallRecord:
+        """The call's record as the request arrives: who, where, which upstream, which policy."""
         assert self.upstream is not None
         identity = self.identity.identify(flow)
-        headers = flow.request.headers
-        secrets = _secrets(flow)
         record = CallRecord(
             rollout_id=identity.rollout_id,
             rollout_source=identity.source,
@@ -381,7 +409,20 @@ class CaptureAddon:
             upstream_url=self.upstream.base_url,
             policy_version=self.control.policy_version if self.control is not None else None,
         )
-        record.headers_json = scrub(json.dumps(redact_headers(headers.items(multi=True))), secrets)
+        headers = flow.request.headers.items(multi=True)
+        record.headers_json = scrub(json.dumps(redact_headers(headers)), secrets)
+        return record
+
+    def _read_request(
+        self,
+        flow: http.HTTPFlow,
+        dialect: Dialect,
+        path: str,
+        record: CallRecord,
+        secrets: list[str],
+    ) -> HarnessRequest | None:
+        """The request parsed by its dialect, its redacted body on the record; None when it was
+        refused (answered here in the dialect's error shape, the record delivered)."""
         body: bytes | None = None
         try:
             body = flow.request.get_content(strict=True) or b""
@@ -396,7 +437,8 @@ class CaptureAddon:
             if refused:
                 raise DialectError(refused)
             req = dialect.parse(body, path)
-            request_json = redacted_json(req.body, secrets)
+            record.request_json = redacted_json(req.body, secrets)
+            return req
         except Exception as e:
             if isinstance(e, DialectError):
                 error = e
@@ -411,8 +453,12 @@ class CaptureAddon:
             raw = (body or b"")[:_RAW_BODY_LIMIT].decode("utf-8", "replace")
             record.request_json = scrub(json.dumps({"unparsed_body": raw}), secrets)
             self._refuse(flow, dialect, record, error)
-            return
-        record.request_json = request_json
+            return None
+
+    @staticmethod
+    def _describe(record: CallRecord, req: HarnessRequest, headers: http.Headers) -> None:
+        """What the request says of itself: streaming, the model asked for, the agent, and what
+        the call is for (the harness's header, else what the request says, else the dialect's)."""
         record.stream = req.stream
         record.model_requested = req.model
         purpose = headers.get(PURPOSE_HEADER, "").strip().lower()
@@ -420,9 +466,10 @@ class CaptureAddon:
         record.purpose = purpose if _PURPOSE.match(purpose) else said or req.purpose
         record.agent = agent_of(headers)
         record.translation_notes = list(req.notes)
-        if req.local:
-            await self._answer_locally(flow, dialect, req, record)
-            return
+
+    async def _settings(self) -> UpstreamSettings:
+        """How this call talks to the upstream (the served model asked for on the way)."""
+        assert self.upstream is not None
         book = self.exact.book if self.exact is not None else None
         if book is not None:
             book.flavor = self.upstream.template_flavor  # known only now with kind auto
@@ -438,23 +485,13 @@ class CaptureAddon:
         if self.constraints is not None:
             settings.harness_constraints = self.constraints.mode
             settings.think_markers = self.constraints.markers
-        call = Call(
-            record,
-            dialect,
-            req,
-            settings=settings,
-            sinks=self.sinks,
-            secrets=secrets,
-            on_done=self._call_done,
-        )
-        if self.metrics is not None:
-            call.on_hold = self.metrics.durable_hold
-        self.live[record.call_id] = call
-        if self.control is not None:
-            self.control.call_started(record.call_id, record.rollout_id)
+        return settings
+
+    def _to_gateway(self, flow: http.HTTPFlow, call: Call) -> None:
+        """Point the flow at the in-process gateway, which runs the call and streams its reply."""
         gateway_path = self.gateway.register(call)
         assert self.gateway.port is not None
-        flow.metadata["polar_call"] = record.call_id
+        flow.metadata["polar_call"] = call.record.call_id
         flow.request.scheme = "http"
         flow.request.host = "127.0.0.1"
         flow.request.port = self.gateway.port

@@ -1,28 +1,25 @@
-"""`FidelityAddon`: token fidelity checks of every call (`polar_fidelity`), between the merge and the store."""
+"""`FidelityAddon`: the options and the lifetime of the fidelity checks (`polar_fidelity`), one
+step of the call's pipeline (`addons/pipeline.py`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from mitmproxy import ctx
 
-from ..call.record import (
-    CallRecord,
-)
 from ..tokens.fidelity import MODES as FIDELITY_MODES
-from ..tokens.fidelity import FidelityStage
 from ..tokens.fidelity import describe as describe_fidelity
 from .options import _errors, log
+from .pipeline import CallPipeline
 from .tokenizer import TokenizerAddon
 
 
 class FidelityAddon:
-    """`polar_fidelity`: each finished call is merged into its rollout, checked against the
-    policy tokenizer off the event loop, then stored (see tokens/fidelity.py)."""
+    """`polar_fidelity`: how the pipeline checks each finished call against the policy
+    tokenizer (see tokens/fidelity.py), and the drain of the checks in flight at shutdown."""
 
-    def __init__(self, tokenizer: TokenizerAddon, stage: FidelityStage) -> None:
+    def __init__(self, tokenizer: TokenizerAddon, pipeline: CallPipeline) -> None:
         self.tokenizer = tokenizer
-        self.stage = stage
+        self.pipeline = pipeline
+        self.stage = pipeline.checks
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -46,13 +43,10 @@ class FidelityAddon:
                 f"{', '.join(FIDELITY_MODES)}"
             )
             return
-        self.stage.configure(mode, self.tokenizer.tokenizer)
+        self.pipeline.configure_checks(mode, self.tokenizer.tokenizer)
 
     def running(self) -> None:
         log.info("polar-mitm: %s", describe_fidelity(self.stage.mode, self.stage.tokenizer))
-
-    def call_finished(self, record: CallRecord) -> Any:
-        return self.stage.call_finished(record)  # the store's receipt, after the checks
 
     async def done(self) -> None:
         # Runs after the capture and the no-ids fallback have handed over their last records

@@ -13,6 +13,7 @@ from .control import ControlAddon
 from .exact_prefix import ExactPrefixAddon
 from .fidelity import FidelityAddon
 from .identity import RolloutIdentityAddon
+from .pipeline import CallPipeline
 from .retokenize import RetokenizeAddon
 from .setup import ProxySetup
 from .store import StoreAddon
@@ -22,8 +23,9 @@ from .warmup import WarmUpAddon
 
 
 def polar_addons() -> list[object]:
-    """The addons of `mitmdump -s addons/polar.py`, wired together. The control state is the
-    first sink: it stamps `policy_version_end` before the store and the trajectories see a call."""
+    """The addons of `mitmdump -s addons/polar.py`, wired together. A finished call goes through
+    one `CallPipeline` (its steps, in order: addons/pipeline.py): the control state stamps it,
+    the trajectories merge it, the fidelity checks run, then the store and the metrics get it."""
     identity = RolloutIdentityAddon()
     tokenizer = TokenizerAddon()
     retokenize = RetokenizeAddon(tokenizer)
@@ -31,13 +33,14 @@ def polar_addons() -> list[object]:
     store = StoreAddon()
     state = ControlState()
     trajectory = TrajectoryAddon(store, state, exact)
-    # merge, then fidelity checks (worker), then the store and the metrics (final records)
     metrics = MetricsAddon(state, trajectory.rollouts, store)
-    stage = FidelityStage(trajectory.rollouts, [store, metrics])
-    fidelity = FidelityAddon(tokenizer, stage)
+    pipeline = CallPipeline(
+        control=state, rollouts=trajectory.rollouts, checks=FidelityStage(), final=[store, metrics]
+    )
+    fidelity = FidelityAddon(tokenizer, pipeline)
     capture = CaptureAddon(
         identity,
-        sinks=[state, fidelity],
+        sinks=[pipeline],
         retokenize=retokenize,
         control=state,
         tokenizer=tokenizer,
@@ -48,7 +51,9 @@ def polar_addons() -> list[object]:
     capture.constraints = constraints  # what goes upstream of parallel_tool_calls=false
     warmup = WarmUpAddon()
     capture.warmup = warmup  # its running() warms the proxy before it says it is capturing
-    control = ControlAddon(state, trajectory.rollouts, settle=stage.drain, metrics=metrics)
+    control = ControlAddon(
+        state, trajectory.rollouts, settle=pipeline.checks.drain, metrics=metrics
+    )
     # Order matters at shutdown: `done` runs in list order, so the capture finishes its in-flight
     # calls, then pending retokenizations and fidelity checks drain, the trajectories write the
     # open rollouts, and only then does the store close.

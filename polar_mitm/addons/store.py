@@ -6,9 +6,7 @@ import concurrent.futures
 
 from mitmproxy import ctx
 
-from ..call.record import (
-    CallRecord,
-)
+from ..core.record import CallRecord
 from ..store import Store
 from .options import _errors, _seconds, log
 

@@ -6,20 +6,18 @@ import asyncio
 
 from mitmproxy import ctx
 
-from ..call.record import (
-    CallRecord,
-)
 from ..control import ControlState
-from ..trajectory.merge import ALLOW_CHOICES
 from ..trajectory.rollouts import Rollouts
+from ..trajectory.rows import ALLOW_CHOICES
 from .exact_prefix import ExactPrefixAddon
 from .options import _errors, _seconds, log
 from .store import StoreAddon
 
 
 class TrajectoryAddon:
-    """Each rollout's calls, prefix-merged into chains (`trajectory/merge.py`); their `traces/` rows
-    are written when the rollout ends: by the control plane, after `polar_rollout_idle`
+    """Each rollout's calls, prefix-merged into chains (`trajectory/merge.py`: the call's pipeline,
+    `addons/pipeline.py`, merges each finished call into `rollouts`); their `traces/` rows are
+    written when the rollout ends: by the control plane, after `polar_rollout_idle`
     seconds without a call, or at shutdown (as `incomplete`)."""
 
     def __init__(
@@ -92,9 +90,6 @@ class TrajectoryAddon:
         written = self.rollouts.close()
         if written:
             log.info("polar-mitm: wrote %d open rollout(s) as incomplete", written)
-
-    def call_finished(self, record: CallRecord) -> None:
-        self.rollouts.call_finished(record)
 
     def _write(self, rows: list[dict]) -> None:
         if self.store.store is not None:

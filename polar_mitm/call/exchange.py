@@ -9,7 +9,8 @@ call leaves one record, and the harness always gets a well-formed answer in its 
 Over 500 lines because `Call` is one call's state machine: every way a call can end (reply
 complete, upstream error, upstream gone mid-stream, harness gone) runs through its one
 `finish`, and keeping all those paths in one class is what lets a reader check "exactly one
-record per call" in one file. Wire parsing is in `sse`, the dialects and `upstream/`.
+record per call" in one file. Wire parsing is in `core/sse.py`, the dialects and `upstream/`;
+what the harness is told of a failure, in `failures.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import re
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
@@ -27,45 +27,34 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from .. import fastjson
+from ..core import fastjson
+from ..core.record import CallRecord, CallSink, deliver, now_us
+from ..core.redaction import redacted_json
+from ..core.sse import SSEParser
 from ..dialects import Dialect, HarnessRequest, StreamTranslator
 from ..dialects.assemble import ChatAssembler, reply_to_chunks
 from ..tokens.retokenize import RetokenizeJob, Retokenizer
 from ..trajectory.exact_prefix import ExactPrefix, Lookup, put_note
 from ..upstream import TokenTally, Upstream
 from ..upstream.constraints import PASS, ThinkMarkers, note_constraints, upstream_chat
-from .record import CallRecord, CallSink, deliver, now_us, redacted_json
-from .sse import SSEParser
+from .failures import (
+    MALFORMED,
+    UpstreamFailed,
+    cap_refused,
+    clean,
+    error_message,
+    failure_of,
+    json_chunk,
+    json_value,
+    malformed,
+    read_error,
+)
 from .token_in import TokenInReply
 
 log = logging.getLogger(__name__)
-_ERROR_BODY_LIMIT = 64 << 10
-# The refusals of an output cap that a resend without it answers (docs/upstreams.md, "Output cap"):
-# vLLM 0.33 refuses a cap above the whole context (it clamps one that only does not fit beside the
-# prompt); older vLLM and SGLang refuse prompt + cap > context.
-_CAP_ABOVE_CONTEXT = re.compile(
-    r"(max_tokens|max_completion_tokens)=\d+ cannot be greater than max_model_len"
-)
-_CAP_TOO_LARGE = re.compile(
-    r"(?is)(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
-    r".*maximum context length|maximum context length.*"
-    r"(max_tokens|max_completion_tokens|output tokens|in the completion|for the completion)"
-)
-# A prompt that is too long by itself, which no resend can help: vLLM 0.33 ("... exceeds this limit
-# even without any output tokens"), older vLLM ("your request has N input tokens. Please reduce
-# ..."), SGLang ("The input (N tokens) is longer than the model's context length").
-_PROMPT_TOO_LONG = re.compile(
-    r"(?is)without any output tokens|your (?:prompt|request) (?:contains|has) (?:at least )?\d+ "
-    r"input tokens\. Please reduce|The input \(\d+ tokens\) is longer than"
-)
 # How long a completed reply's last bytes wait for the record to be durable (see `_durable`):
 # far above a journal fsync (~1 ms), low enough that a failing disk only slows harnesses down.
 DURABLE_WAIT_S = 10.0
-# What a malformed upstream chunk or reply raises in the token and translation code (a field of the
-# wrong type, a missing key). Caught around each chunk, so the valid path pays nothing for it.
-_MALFORMED = (AttributeError, TypeError, KeyError, IndexError, ValueError)
-# Upstream headers worth passing on with an error: a harness's SDK honours them when it retries.
-_ERROR_HEADERS = ("retry-after", "retry-after-ms")
 
 
 class ClientGone(Exception):
@@ -109,23 +98,7 @@ class UpstreamSettings:
     think_markers: ThinkMarkers | None = None  # from polar_tokenizer: where a grammar starts
 
 
-class UpstreamFailed(Exception):
-    """The upstream did not give a usable reply; `status` is what the harness gets."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 502,
-        kind: str = "server_error",
-        headers: Mapping[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.message, self.status, self.kind = message, status, kind
-        self.headers = headers
-
-
-def _malformed(e: Exception, what: str = "a stream chunk") -> UpstreamFailed:
-    return UpstreamFailed(f"upstream sent {what} polar-mitm cannot read ({type(e).__name__}: {e})")
+_JSON = {"content-type": "application/json"}
 
 
 class Call:
@@ -170,31 +143,58 @@ class Call:
     # -- driving the call -------------------------------------------------------------------
 
     async def run(self, out: Output, session: aiohttp.ClientSession) -> None:
+        """The call, start to finish: the chain lookup (exact-prefix mode), the upstream request,
+        the reply relayed to `out`; every failure is answered and ends in `finish`."""
         self.task = asyncio.current_task()
-        upstream = self.settings.upstream
-        model = self.settings.model or self.req.model or None
-        exact = self.settings.exact
-        if exact is not None and upstream.token_in_path:
+        if self.settings.exact is not None and self.settings.upstream.token_in_path:
             try:
-                self.lookup = await exact.lookup(
-                    self.record.rollout_id, self.req.chat, self.settings.max_model_len
-                )
+                await self._look_up()
             except asyncio.CancelledError:  # the harness left (or shutdown) during the lookup
                 self.finish(*self._abort)
                 raise
         self.hide_reasoning = self.req.chat.get("include_reasoning") is False
-        plan = self.lookup.plan if self.lookup is not None else None
-        if plan is not None and self.lookup is not None:
-            unsupported = upstream.token_in_unsupported(plan.sampling)
-            if unsupported:  # e.g. a sampling parameter SGLang's /generate has no name for
-                self.lookup.plan, self.lookup.reason, plan = None, unsupported, None
+        url, body, stream_upstream = self._request()
+        try:
+            await self._send(out, session, url, body, stream_upstream)
+        except ClientGone:
+            self.finish("client_aborted", "the harness closed the connection mid-reply")
+        except asyncio.CancelledError:
+            self.finish(*self._abort)
+            raise
+        except Exception as e:
+            s = self.settings
+            failure = failure_of(e, s.upstream.base_url, s.connect_timeout, self._stall_message())
+            if failure is None:  # a bug of ours must still answer and leave a record
+                log.exception("polar-mitm: call %s failed", self.record.call_id)
+                failure = UpstreamFailed(f"polar-mitm internal error: {e}", 500)
+            await self._answer_error(out, failure)
+
+    async def _look_up(self) -> None:
+        """Exact-prefix mode: the rollout's chain this call extends, and the token-in plan (none
+        when the upstream cannot send its sampling parameters)."""
+        assert self.settings.exact is not None
+        self.lookup = await self.settings.exact.lookup(
+            self.record.rollout_id, self.req.chat, self.settings.max_model_len
+        )
+        plan = self.lookup.plan
         if plan is not None:
+            unsupported = self.settings.upstream.token_in_unsupported(plan.sampling)
+            if unsupported:  # e.g. a sampling parameter SGLang's /generate has no name for
+                self.lookup.plan, self.lookup.reason = None, unsupported
+
+    def _request(self) -> tuple[str, dict[str, Any], bool]:
+        """The upstream request: its URL, its body, and whether it streams. Token-in (a plan)
+        or chat completions."""
+        upstream = self.settings.upstream
+        model = self.settings.model or self.req.model or None
+        plan = self.lookup.plan if self.lookup is not None else None
+        if plan is not None:
+            exact = self.settings.exact
             assert exact is not None
             stream_upstream = self.req.stream and upstream.token_in_streams
             body = upstream.token_in_body(
                 msgspec.Raw(plan.prompt_json), plan.sampling, model=model, stream=stream_upstream
             )
-            url = upstream.token_in_url
             self.record.route = "token_in"
             self.tally.prompt_ids = plan.prompt_ids  # what was sent (the server echoes nothing)
             self.text_reply = TokenInReply(
@@ -206,78 +206,54 @@ class Call:
                 model=model,
                 wants_logprobs=self.req.wants_logprobs,
             )
-        else:
-            stream_upstream = self.req.stream and upstream.streams_with_tokens
-            body = upstream.request_body(
-                upstream_chat(
-                    self.req.chat, self.settings.harness_constraints, self.record.translation_notes
-                ),
-                model=model,
-                stream=stream_upstream,
-                top_logprobs=self.req.top_logprobs,
-            )
-            url = upstream.chat_url
-            # vLLM drops token_ids and logprobs from a reply with include_reasoning false (with a
-            # reasoning parser loaded): never forward it (the harness's reply loses the reasoning
-            # here instead, see hide_reasoning).
-            body.pop("include_reasoning", None)
-        self.record.model_served = model if plan is not None else body.get("model")
+            self.record.model_served = model
+            self.upstream_body = body
+            return upstream.token_in_url, body, stream_upstream
+        stream_upstream = self.req.stream and upstream.streams_with_tokens
+        body = upstream.request_body(
+            upstream_chat(
+                self.req.chat, self.settings.harness_constraints, self.record.translation_notes
+            ),
+            model=model,
+            stream=stream_upstream,
+            top_logprobs=self.req.top_logprobs,
+        )
+        # vLLM drops token_ids and logprobs from a reply with include_reasoning false (with a
+        # reasoning parser loaded): never forward it (the harness's reply loses the reasoning
+        # here instead, see hide_reasoning).
+        body.pop("include_reasoning", None)
+        self.record.model_served = body.get("model")
         self.upstream_body = body
-        try:
-            timeout = aiohttp.ClientTimeout(
-                total=None,
-                connect=self.settings.connect_timeout,
-                sock_read=self.settings.stall_timeout,
-            )
-            for retry in (False, True):
-                data = fastjson.dumps_bytes(body)  # once per try: a retry changes the body
-                self.upstream_sent_at = now_us()
-                async with session.post(url, data=data, headers=_JSON, timeout=timeout) as resp:
-                    if resp.status != 200:
-                        failure = await self._upstream_error(resp)
-                        if not retry and self._drop_output_cap(resp.status, failure, body):
-                            continue
-                        raise failure
-                    if stream_upstream:
-                        await self._relay_stream(resp, out)
-                    else:
-                        await self._relay_reply(resp, out)
-                    break
-        except ClientGone:
-            self.finish("client_aborted", "the harness closed the connection mid-reply")
-        except asyncio.CancelledError:
-            self.finish(*self._abort)
-            raise
-        except UpstreamFailed as e:
-            await self._answer_error(out, e)
-        except aiohttp.ConnectionTimeoutError:
-            msg = (
-                f"upstream {upstream.base_url} did not accept a connection within "
-                f"{self.settings.connect_timeout:g}s"
-            )
-            await self._answer_error(out, UpstreamFailed(msg, 504))
-        except (TimeoutError, aiohttp.ServerTimeoutError):
-            await self._answer_error(out, UpstreamFailed(self._stall_message(), 504))
-        except aiohttp.ClientConnectorError as e:
-            msg = f"upstream {upstream.base_url} is unreachable: {e.strerror or e}"
-            await self._answer_error(out, UpstreamFailed(msg, 502))
-        except (
-            aiohttp.ServerDisconnectedError,
-            aiohttp.ClientPayloadError,
-            aiohttp.ClientOSError,
-            ConnectionResetError,
-        ) as e:
-            msg = (
-                f"upstream {upstream.base_url} closed the connection before the reply was "
-                f"complete ({type(e).__name__}: {e})"
-            )
-            await self._answer_error(out, UpstreamFailed(msg, 502))
-        except (aiohttp.ClientError, ConnectionError) as e:
-            msg = f"upstream {upstream.base_url} failed: {type(e).__name__}: {e}"
-            await self._answer_error(out, UpstreamFailed(msg, 502))
-        except Exception as e:  # a bug of ours must still answer and leave a record
-            log.exception("polar-mitm: call %s failed", self.record.call_id)
-            await self._answer_error(out, UpstreamFailed(f"polar-mitm internal error: {e}", 500))
+        return upstream.chat_url, body, stream_upstream
+
+    async def _send(
+        self,
+        out: Output,
+        session: aiohttp.ClientSession,
+        url: str,
+        body: dict[str, Any],
+        stream_upstream: bool,
+    ) -> None:
+        """Post the request and relay the reply; once more without the output cap when the
+        server refused it (`_drop_output_cap`)."""
+        s = self.settings
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=s.connect_timeout, sock_read=s.stall_timeout
+        )
+        for retry in (False, True):
+            data = fastjson.dumps_bytes(body)  # once per try: a retry changes the body
+            self.upstream_sent_at = now_us()
+            async with session.post(url, data=data, headers=_JSON, timeout=timeout) as resp:
+                if resp.status != 200:
+                    failure = await read_error(resp, s.upstream.base_url, self.record.model_served)
+                    if not retry and self._drop_output_cap(resp.status, failure, body):
+                        continue
+                    raise failure
+                if stream_upstream:
+                    await self._relay_stream(resp, out)
+                else:
+                    await self._relay_reply(resp, out)
+                return
 
     async def _relay_stream(self, resp: aiohttp.ClientResponse, out: Output) -> None:
         translator = self.translator = self.dialect.stream(self.req)
@@ -294,12 +270,12 @@ class Call:
                     if event.data == "[DONE]":
                         done = True
                         break
-                    chunk = _json_chunk(event.data)
+                    chunk = json_chunk(event.data)
                     usage = chunk.get("usage")
                     if usage is not None and type(usage) is not dict:
                         raise TypeError(f"usage is {type(usage).__name__}, not an object")
                     if chunk.get("error"):  # vLLM's mid-stream failure (SDKs raise on it)
-                        message = _clean(_error_message(chunk) or event.data[:1000])
+                        message = clean(error_message(chunk) or event.data[:1000])
                         raise UpstreamFailed(f"upstream error mid-stream: {message}")
                     if self.text_reply is None:
                         upstream.take_chunk(chunk, self.tally)
@@ -317,8 +293,8 @@ class Call:
                         piece = translator.chunk(chunk)
                         if piece:
                             pieces.append(piece)
-            except _MALFORMED as e:
-                raise _malformed(e) from None
+            except MALFORMED as e:
+                raise malformed(e) from None
             if pieces:
                 await self._write(out, b"".join(pieces))
             if done:
@@ -329,15 +305,15 @@ class Call:
         self._check_abort()
         try:
             tail = translator.finish()
-        except _MALFORMED as e:  # what the dialect builds at the end from what the chunks said
-            raise _malformed(e, "a stream") from None
+        except MALFORMED as e:  # what the dialect builds at the end from what the chunks said
+            raise malformed(e, "a stream") from None
         await self._complete(out, tail)
 
     async def _relay_reply(self, resp: aiohttp.ClientResponse, out: Output) -> None:
         try:
             raw = await resp.read()
             self.upstream_first_at = now_us()
-            reply = _json_value(raw.decode("utf-8"), "reply")
+            reply = json_value(raw.decode("utf-8"), "reply")
         except (UnicodeDecodeError, RecursionError, ValueError) as e:
             raise UpstreamFailed(f"upstream reply is not valid JSON: {e}") from None
         if self.text_reply is not None:  # token-in: raw text, parsed as the chat endpoint would
@@ -345,8 +321,8 @@ class Call:
                 raise UpstreamFailed("upstream token-in reply is not a JSON object")
             try:
                 reply = self.text_reply.reply(reply)
-            except _MALFORMED as e:
-                raise _malformed(e, "a token-in reply") from None
+            except MALFORMED as e:
+                raise malformed(e, "a token-in reply") from None
         choices = reply.get("choices") if isinstance(reply, dict) else None
         if not isinstance(choices, list) or not choices:
             raise UpstreamFailed("upstream reply is not a chat completion (no choices)")
@@ -376,8 +352,8 @@ class Call:
                 if self.hide_reasoning:
                     reply = _without_reasoning(reply)
                 body = json.dumps(self.dialect.reply(self.req, reply), ensure_ascii=False).encode()
-        except _MALFORMED as e:
-            raise _malformed(e, "a reply") from None
+        except MALFORMED as e:
+            raise malformed(e, "a reply") from None
         if self.req.stream:
             await out.start(200, translator.content_type)
             await self._write(out, body)
@@ -443,28 +419,6 @@ class Call:
         if data:
             await out.write(data)
             self.record.mark_first_byte()
-
-    async def _upstream_error(self, resp: aiohttp.ClientResponse) -> UpstreamFailed:
-        raw = await resp.content.read(_ERROR_BODY_LIMIT)
-        detail = raw.decode("utf-8", "replace").strip()
-        try:
-            detail = _error_message(json.loads(detail)) or detail
-        except (RecursionError, ValueError):
-            pass
-        detail = _clean(detail)
-        url = self.settings.upstream.base_url
-        message = f"upstream {url} returned HTTP {resp.status}" + (f": {detail}" if detail else "")
-        if resp.status == 404:
-            message += (
-                f" (polar-mitm sent model {self.record.model_served!r}: polar_model, or the first "
-                "model the server lists)"
-            )
-        kind = "invalid_request_error" if 400 <= resp.status < 500 else "server_error"
-        if resp.status == 429:
-            kind = "rate_limit_error"
-        status = resp.status if 400 <= resp.status < 600 else 502
-        headers = {h: resp.headers[h] for h in _ERROR_HEADERS if h in resp.headers} or None
-        return UpstreamFailed(message, status, kind, headers)
 
     def _drop_output_cap(self, status: int, failure: UpstreamFailed, body: dict[str, Any]) -> bool:
         """The harness's output cap is an upper bound (Claude Code asks up to 128000), but vLLM
@@ -647,16 +601,6 @@ class Call:
             self.finish(status, reason)
 
 
-_JSON = {"content-type": "application/json"}
-
-
-def cap_refused(message: str) -> bool:
-    """Whether an upstream 400's text refuses the output cap (and not the prompt's length)."""
-    if _PROMPT_TOO_LONG.search(message):
-        return False
-    return bool(_CAP_ABOVE_CONTEXT.search(message) or _CAP_TOO_LARGE.search(message))
-
-
 def _without_reasoning(obj: dict[str, Any]) -> dict[str, Any]:
     """A chunk or reply without its reasoning, for a harness that sent include_reasoning: false
     (what vLLM would have done; the record keeps the reasoning, its tokens were sampled)."""
@@ -682,50 +626,6 @@ def _without_reasoning(obj: dict[str, Any]) -> dict[str, Any]:
                     choice[key] = part
         out.append(choice)
     return {**obj, "choices": out}
-
-
-def _json_value(data: str, what: str) -> Any:
-    """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused.
-    A top-level ``prompt_token_ids`` (vLLM's) comes back as the int32 array the record keeps."""
-    value = fastjson.loads_ids(data)
-    # rare: only then look at the strings (no backslash at all, e.g. an id list: one memchr)
-    if "\\" in data and ("\\ud" in data or "\\uD" in data):
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(
-                f"the {what} holds a lone surrogate escape: not valid Unicode"
-            ) from None
-    return value
-
-
-def _json_chunk(data: str) -> dict[str, Any]:
-    try:
-        chunk = _json_value(data, "chunk")
-    except (RecursionError, ValueError) as e:
-        raise UpstreamFailed(f"upstream sent invalid JSON in a stream chunk: {e}") from None
-    if not isinstance(chunk, dict):
-        raise UpstreamFailed("upstream sent a stream chunk that is not a JSON object")
-    return chunk
-
-
-def _clean(text: str) -> str:
-    """Upstream text for an error message: valid UTF-8 (no lone surrogates), bounded."""
-    return text[:2000].encode("utf-8", "replace").decode("utf-8")
-
-
-def _error_message(obj: Any) -> str | None:
-    if isinstance(obj, dict):
-        error = obj.get("error", obj)
-        if isinstance(error, dict):
-            for key in ("message", "detail", "msg"):
-                if isinstance(error.get(key), str):
-                    return error[key]
-        elif isinstance(error, str):
-            return error
-        if isinstance(obj.get("detail"), str):
-            return obj["detail"]
-    return None
 
 
 def _int32_array(ids: Sequence[int] | None) -> array | Sequence[int] | None:

@@ -22,11 +22,11 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..core.redaction import KEY_HEADERS
+
 API_KEY_PREFIX = "polar-"
 ROLLOUT_HEADER = "x-polar-rollout"
 KEY_PARAM = "key"  # Google's API takes its key as a query parameter too
-# The headers an API key comes in (`authorization` as `Bearer <key>`), first found first used.
-KEY_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
 # Where a rollout id came from (calls.rollout_source), in precedence order.
 PROXY_AUTH, API_KEY, HEADER, SESSION, CLIENT_ADDRESS = (
     "proxy_auth",

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..record_facts import checked_with_tokenizer, harness_of_agent
+from ..core.record_facts import checked_with_tokenizer, harness_of_agent
 from ..tokens.drift import FLAGS
 from .listing import Column, Listing, emit
 

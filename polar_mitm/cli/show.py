@@ -21,7 +21,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
-from ..record_facts import checked_with_tokenizer
+from ..core.record_facts import checked_with_tokenizer
 from ..trajectory.traceview import Segment, segments
 from . import chaintree
 

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..record_facts import CHECKED_WITH_TOKENIZER
+from ..core.record_facts import CHECKED_WITH_TOKENIZER
 
 ANONYMOUS = "client_address"  # the rollout_source of an id that is the client address alone
 

@@ -44,7 +44,7 @@ import json
 import re
 from typing import Any
 
-from ..call.sse import encode_json
+from ..core.sse import encode_json
 from . import compaction
 from .assemble import ToolCallParts, reply_to_chunks
 from .base import (

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from .. import fastjson
+from ..core import fastjson
 
 # A JSON escape of a UTF-16 surrogate. Paired ones (an emoji from an ASCII-only encoder) are fine;
 # a lone one decodes to a string that cannot be encoded as UTF-8, so no store or server can take it.

@@ -19,7 +19,7 @@ import binascii
 import uuid
 from typing import Any
 
-from ..call.sse import dumps
+from ..core.sse import dumps
 from .base import DialectError
 
 # Tool-call ids the harnesses accept as they are (Anthropic's pattern; OpenAI's ids fit it too).

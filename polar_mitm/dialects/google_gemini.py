@@ -51,7 +51,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from ..call.sse import dumps
+from ..core.sse import dumps
 from . import compaction
 from .assemble import ToolCallParts, reply_to_chunks
 from .base import Dialect, DialectError, HarnessRequest, LocalContext, load_json_object

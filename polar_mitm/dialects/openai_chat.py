@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from ..call.sse import encode_json
+from ..core.sse import encode_json
 from .base import (
     Dialect,
     DialectError,

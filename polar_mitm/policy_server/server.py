@@ -40,7 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .. import fastjson
+from ..core import fastjson
 from ..tokens.conversation import RequestError, render_input
 from .faults import STANDALONE, apply_fault, fault_spec
 from .generation import sample

@@ -1,9 +1,9 @@
 """Fidelity checks of every captured call, off the hot path (`polar_fidelity`).
 
-A finished call reaches `FidelityStage` (a `CallSink`) after the harness has its whole reply.
-The stage first merges it into its rollout (`trajectory/rollouts.py`, on the event loop: microseconds),
-then runs the checks in one worker thread — FIFO, so records reach the store in the order
-they finished — and then hands the record to the store. Two kinds of checks:
+`FidelityStage` checks a finished call after the harness has its whole reply, in one worker
+thread — FIFO, so records reach the store in the order they finished. It is one step of the
+call's pipeline (`addons/pipeline.py`): the merge into its rollout comes before it, and hands it
+the merge's evidence; the store and the metrics come after it. Two kinds of checks:
 
 * the call's own tokens (known at once): ``bpe_resplit`` / ``special_tokens`` (the sampled
   ids decoded and encoded again differ; `drift.roundtrip`), ``special_tokens`` in the
@@ -12,10 +12,11 @@ they finished — and then hands the record to the store. Two kinds of checks:
   grammar, whose logprobs are the grammar's: `upstream/constraints.py`);
 * an earlier turn as re-rendered into this call's prompt (known only when this later call
   arrives): when the merge says this call broke off its chain with reason ``rerender`` (every
-  earlier message still there, yet other tokens), the stage explains it from the merge's own
-  evidence — the parent chain, the common prefix, the call holding the first differing token:
-  ``template_rerender`` and its causes ``reasoning_dropped``, ``tool_args_reserialized``,
-  ``bpe_resplit``, ``special_tokens`` (`drift.classify_turn`), turn by turn from there on.
+  earlier message still there, yet other tokens), the pipeline copies the merge's own evidence
+  into a `RerenderJob` — the parent chain, the common prefix, the call holding the first
+  differing token — and the checks explain it: ``template_rerender`` and its causes
+  ``reasoning_dropped``, ``tool_args_reserialized``, ``bpe_resplit``, ``special_tokens``
+  (`drift.classify_turn`), turn by turn from there on.
 
 Shards are immutable, so a drift of call N seen in call N+1's prompt is stored on call N+1:
 its ``fidelity_flags`` and ``fidelity_json[flag]`` name the turn (``turn_call_id``), the
@@ -25,8 +26,7 @@ each turn's call id to the sampled tokens a text pipeline gets wrong. Traces car
 
 Modes: ``off`` (no checks), ``check`` (flag; trainability unchanged), ``strict`` (a flagged
 call is not trainable, and any drift flag in a rollout makes all its traces untrainable:
-``fidelity_strict``). A rollout that ended while its last checks were still running is written
-again, as a new revision, when they land.
+``fidelity_strict``).
 """
 
 from __future__ import annotations
@@ -36,12 +36,11 @@ import concurrent.futures
 import json
 import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..call.record import CallRecord, CallSink, deliver
-from ..trajectory.breaks import RERENDER
+from ..core.record import CallRecord, awaitable, one_receipt
 from ..upstream.constraints import CONSTRAINED_SAMPLING
 from .drift import (
     CONTEXT,
@@ -55,10 +54,6 @@ from .drift import (
     roundtrip,
 )
 from .tokenizer import PolicyTokenizer
-
-if TYPE_CHECKING:
-    from ..trajectory.merge import CallFacts, Chain, Placement
-    from ..trajectory.rollouts import Rollout, Rollouts
 
 log = logging.getLogger("polar_mitm")
 
@@ -75,7 +70,7 @@ PROMPT_COUNT_MISMATCH = "prompt_count_mismatch"
 _SNIPPET = 40  # characters either side of special-token text in a request
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RerenderJob:
     """What the merge knows about a ``rerender`` break, copied on the event loop: the parent
     chain from just before the common prefix on, and where its calls' tokens lie."""
@@ -100,21 +95,6 @@ class Findings:
         turns = self.turns.setdefault(flag, [])
         if turn not in turns:
             turns.append(turn)
-
-
-def rerender_job(chain: Chain, lcp: int) -> RerenderJob | None:
-    """The evidence to explain a break off `chain` at common prefix `lcp` (None: nothing of
-    the chain differs, e.g. the prompt extends all of it)."""
-    i, where = chain.locate(lcp)
-    if where not in ("policy", "env") or i < 0:
-        return None
-    n = len(chain.calls)
-    turns = []
-    for j in range(i, n):
-        end = chain.call_offsets[j + 1] if j + 1 < n else len(chain)
-        turns.append((chain.calls[j].call_id, chain.call_offsets[j], chain.output_offsets[j], end))
-    base = min(chain.call_offsets[i], max(0, lcp - CONTEXT))
-    return RerenderJob(chain.trace_id, lcp, base, chain.tokens[base:], turns, where)
 
 
 # -- the checks (blocking, in the worker) ---------------------------------------------------------
@@ -289,16 +269,16 @@ def apply_findings(record: CallRecord, found: Findings, mode: str, tokenizer: st
 
 # -- the stage -----------------------------------------------------------------------------------
 
+# What takes a checked record on (the pipeline's next steps): returns the store's receipts.
+Then = Callable[[Findings], list[Any]]
+
 
 class FidelityStage:
-    """The sink between the capture path and the store: merge, check (worker), store.
+    """The checks of finished calls: inline when there is no event loop or nothing to wait
+    for, else in one worker thread. Knows nothing of the merge or the store: `check` gets the
+    merge's evidence (a `RerenderJob`) and `then`, the steps that take the checked record on."""
 
-    `after` are the sinks that want checked records (the store). With mode ``off`` a record
-    is merged and passed on at once, as before the checks existed."""
-
-    def __init__(self, rollouts: Rollouts, after: Sequence[CallSink]) -> None:
-        self.rollouts = rollouts
-        self.after = list(after)
+    def __init__(self) -> None:
         self.mode = CHECK
         self.tokenizer: PolicyTokenizer | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -309,35 +289,34 @@ class FidelityStage:
     def configure(self, mode: str, tokenizer: PolicyTokenizer | None) -> None:
         self.mode = mode
         self.tokenizer = tokenizer
-        self.rollouts.strict = DRIFT_FLAGS if mode == STRICT else frozenset()
 
-    # -- CallSink ---------------------------------------------------------------------------------
+    @property
+    def strict_flags(self) -> frozenset[str]:
+        """The flags that make a rollout's traces untrainable (strict mode's drifts)."""
+        return DRIFT_FLAGS if self.mode == STRICT else frozenset()
 
-    def call_finished(self, record: CallRecord) -> Any:
-        """Returns a receipt (see `capture.deliver`): done once the store has the record, so a
-        durable reply's last bytes wait for the checks and the journal, not just the journal."""
-        rollout, placement, facts = self._merge(record)
-        if self.mode == OFF or not _checkable(record):
-            return _one(self._store(record))
-        job = None
-        if placement is not None and placement.break_reason == RERENDER and rollout is not None:
-            chain = _chain(rollout, placement)
-            if chain is not None:
-                job = rerender_job(chain, placement.prefix_len)
+    def wants(self, record: CallRecord) -> bool:
+        """Whether the record is checked at all: completed, upstream, with ids, checks on."""
+        return self.mode != OFF and _checkable(record)
+
+    def check(self, record: CallRecord, job: RerenderJob | None, then: Then) -> Any:
+        """Check the record, put the findings on it, then `then(findings)`. Returns a receipt:
+        done once `then`'s receipts are (the store has the record), so a durable reply's last
+        bytes wait for the checks and the journal, not just the journal."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # a synchronous caller (tests, tools): check inline
-            return _one(self._finish(record, self.compute(record, job), rollout, facts))
+            return one_receipt(self._finish(record, self.compute(record, job), then))
         if job is None and self.tokenizer is None and not self._pending:
             # Without a tokenizer and a re-render to explain, the checks are a few counts:
             # inline, in order (nothing is waiting), since the worker's round trip costs the
             # event loop more than they do.
-            return _one(self._finish(record, self.compute(record, None), rollout, facts))
+            return one_receipt(self._finish(record, self.compute(record, None), then))
         if len(self._pending) >= MAX_PENDING:
             self.skipped += 1
             found = Findings(error=f"skipped: {MAX_PENDING} calls already waiting for checks")
-            return _one(self._finish(record, found, rollout, facts))
-        task = loop.create_task(self._run(loop, record, job, rollout, facts))
+            return one_receipt(self._finish(record, found, then))
+        task = loop.create_task(self._run(loop, record, job, then))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return _receipt_of(task)
@@ -347,8 +326,7 @@ class FidelityStage:
         loop: asyncio.AbstractEventLoop,
         record: CallRecord,
         job: RerenderJob | None,
-        rollout: Rollout | None,
-        facts: CallFacts | None,
+        then: Then,
     ) -> list[Any]:
         found = Findings(error="the proxy shut down before the checks ran")
         try:
@@ -358,7 +336,7 @@ class FidelityStage:
                 )
             found = await loop.run_in_executor(self._executor, self.compute, record, job)
         finally:
-            receipts = self._finish(record, found, rollout, facts)
+            receipts = self._finish(record, found, then)
         return receipts
 
     def compute(self, record: CallRecord, job: RerenderJob | None) -> Findings:
@@ -382,29 +360,17 @@ class FidelityStage:
             rerender_checks(tok, job, record.prompt_token_ids, found)
         return found
 
-    def _finish(
-        self,
-        record: CallRecord,
-        found: Findings,
-        rollout: Rollout | None,
-        facts: CallFacts | None,
-    ) -> list[Any]:
+    def _finish(self, record: CallRecord, found: Findings, then: Then) -> list[Any]:
         try:
             apply_findings(
                 record, found, self.mode, self.tokenizer.spec if self.tokenizer else None
             )
             self.checked += 1
-            if facts is not None:
-                facts.flags = tuple(record.fidelity_flags)
-                facts.trainable = record.trainable
-                facts.fidelity = {"wrong": dict(found.wrong), "turns": dict(found.turns)}
-                if rollout is not None and rollout.state == "ended":
-                    self.rollouts.rewrite(rollout)  # it ended while the checks ran
         except Exception:
             log.exception(
                 "polar-mitm: applying fidelity findings to call %s failed", record.call_id
             )
-        return self._store(record)
+        return then(found)
 
     async def drain(self) -> None:
         """Wait for every check in flight (at shutdown, before the rollouts are written)."""
@@ -416,42 +382,11 @@ class FidelityStage:
             self._executor.shutdown(wait=True)
             self._executor = None
 
-    # -- helpers -----------------------------------------------------------------------------------
-
-    def _merge(
-        self, record: CallRecord
-    ) -> tuple[Rollout | None, Placement | None, CallFacts | None]:
-        try:
-            rollout, placement = self.rollouts.call_finished(record)
-        except Exception:  # a merge bug must not keep the record from the store
-            log.exception("polar-mitm: merging call %s failed", record.call_id)
-            return None, None, None
-        facts = rollout.calls[-1] if rollout.calls else None  # appended by this very call
-        return rollout, placement, facts
-
-    def _store(self, record: CallRecord) -> list[Any]:
-        return deliver(record, self.after)
-
-
-def _one(receipts: list[Any]) -> Any:
-    """The store's receipts as one awaitable (or None when there is nothing to wait for)."""
-    if not receipts:
-        return None
-    if len(receipts) == 1:
-        return receipts[0]
-    return asyncio.gather(*(_awaitable(r) for r in receipts))
-
-
-def _awaitable(receipt: Any) -> Any:
-    return (
-        asyncio.wrap_future(receipt) if isinstance(receipt, concurrent.futures.Future) else receipt
-    )
-
 
 async def _wait_receipts(task: asyncio.Task) -> None:
     receipts = await task
     if receipts:
-        await asyncio.gather(*(_awaitable(r) for r in receipts))
+        await asyncio.gather(*(awaitable(r) for r in receipts))
 
 
 def _receipt_of(task: asyncio.Task) -> asyncio.Task:
@@ -465,13 +400,6 @@ def _checkable(record: CallRecord) -> bool:
         and record.route != "local"
         and (record.prompt_token_ids is not None or bool(record.output_token_ids))
     )
-
-
-def _chain(rollout: Rollout, placement: Placement) -> Chain | None:
-    for chain in reversed(rollout.merger.chains):
-        if chain.trace_id == placement.parent_trace_id:
-            return chain
-    return None
 
 
 def describe(mode: str, tokenizer: PolicyTokenizer | None) -> str:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..call.record import CallRecord
+from ..core.record import CallRecord
 from .conversation import RequestError, history_message, render_input
 from .tokenizer import PolicyTokenizer
 

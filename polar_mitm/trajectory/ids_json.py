@@ -16,7 +16,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from .. import fastjson
+from ..core import fastjson
 
 BUDGET = 64 << 20  # bytes of id text kept in all (about 10M tokens)
 

@@ -23,22 +23,20 @@ falls back to comparing every chain, still at memcmp speed).
 Prompts given as `array('i')` are used as they are; lists are converted once (about 14 ns per
 token, the largest fixed cost: the capture path hands arrays).
 
-Over 500 lines because the merge is one data structure: `Chain`'s arrays and the two indexes
-`Merger` keeps over them are read in place (no copies) by the merge and by `trace_row` /
-`untrainable_reasons`, and moving either apart would publish internals whose cost is the point
-of the design; the break reasons are already in `breaks`, the rollouts in `rollouts`.
+The merge is one data structure: `Chain`'s arrays and the two indexes `Merger` keeps over them,
+read in place (no copies); what a chain becomes as a `traces/` row, and whether it is trainable,
+is `rows.py`, the break reasons are in `breaks`, the rollouts in `rollouts`.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
-import json
 import sys
 import uuid
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from .breaks import (
@@ -60,9 +58,6 @@ _SEED = 0x9E3779B97F4A7C15
 _POLICY = b"\x01"
 # A request body parsed for break evidence: (view,) once parsed (the view may be None), None before.
 Parsed = tuple[RequestView | None] | None
-
-ALLOW_CHOICES = ("policy_mixed", "call_error", "anonymous")
-ANONYMOUS_SOURCE = "client_address"  # call.identity.CLIENT_ADDRESS: no id but the client address
 
 
 @dataclass(slots=True)
@@ -289,20 +284,7 @@ class Merger:
         if not side:
             chain = self._joinable(p, agent)
             if chain is not None:
-                start = len(chain)
-                base = _base(chain, start)
-                self._unindex_end(chain)
-                self._append(chain, p, start, out, logprobs, facts, request_json)
-                return Placement(
-                    chain.trace_id,
-                    attached=True,
-                    break_reason=None,
-                    parent_trace_id=None,
-                    prefix_len=start,
-                    env_tokens=len(p) - start,
-                    policy_tokens=len(out),
-                    base=base,
-                )
+                return self._extend(chain, p, out, logprobs, facts, request_json)
         parent, lcp, hashes = self._longest_common(p, joinable=not side)
         if agent is not None and not side and (parent is None or parent.agent != agent):
             parent, lcp = self._agent_parent(p, agent, parent, lcp)
@@ -313,24 +295,10 @@ class Merger:
         reason = classify_break(evidence)
         if reason == FIRST_CALL:
             parent, lcp = None, 0
-        detail = None
-        if parent is not None:
-            detail = {
-                "lcp": lcp,
-                "prompt_len": len(p),
-                "parent_len": len(parent),
-                "diverged_in": evidence.diverged_in,
-                "diverged_call_id": diverged_call,
-                "system_changed": evidence.system_changed,
-                "tools_changed": evidence.tools_changed,
-                "history": evidence.history,
-                "compacted": evidence.compacted,
-                "agent_changed": evidence.agent_changed,
-            }
-        role = _role(reason, parent)
+        detail = _break_detail(parent, lcp, len(p), evidence, diverged_call)
         chain = Chain(
             self.new_id(),
-            role,
+            _role(reason, parent),
             parent=parent,
             prefix_len=lcp,
             break_reason=reason,
@@ -338,12 +306,7 @@ class Merger:
             purpose=purpose or "main",
             agent=agent,
         )
-        chain.hashes = hashes[: len(p) // BLOCK]
-        for h in chain.hashes:
-            self._blocks_all.setdefault(h, []).append(chain)
-            if role != "side":
-                self._blocks_join.setdefault(h, []).append(chain)
-        self.chains.append(chain)
+        self._open(chain, hashes[: len(p) // BLOCK])
         base = _base(parent, lcp) if parent is not None else None
         self._append(chain, p, 0, out, logprobs, facts, request_json, parsed)
         return Placement(
@@ -357,6 +320,41 @@ class Merger:
             detail=detail,
             base=base,
         )
+
+    def _extend(
+        self,
+        chain: Chain,
+        p: array,
+        out: array,
+        logprobs: Sequence[float],
+        facts: CallFacts,
+        request_json: str | None,
+    ) -> Placement:
+        """The call's prompt extends `chain`: its new tokens and its output are appended."""
+        start = len(chain)
+        base = _base(chain, start)
+        self._unindex_end(chain)
+        self._append(chain, p, start, out, logprobs, facts, request_json)
+        return Placement(
+            chain.trace_id,
+            attached=True,
+            break_reason=None,
+            parent_trace_id=None,
+            prefix_len=start,
+            env_tokens=len(p) - start,
+            policy_tokens=len(out),
+            base=base,
+        )
+
+    def _open(self, chain: Chain, hashes: list[int]) -> None:
+        """A new chain, with its prompt's hashed blocks in the indexes (side chains are never
+        joined, so only the all-chains index has theirs)."""
+        chain.hashes = hashes
+        for h in hashes:
+            self._blocks_all.setdefault(h, []).append(chain)
+            if chain.role != "side":
+                self._blocks_join.setdefault(h, []).append(chain)
+        self.chains.append(chain)
 
     def _agent_parent(
         self, p: array, agent: str, parent: Chain | None, lcp: int
@@ -534,6 +532,26 @@ class Merger:
         return evidence, diverged_call, parsed
 
 
+def _break_detail(
+    parent: Chain | None, lcp: int, prompt_len: int, evidence: BreakEvidence, diverged: str | None
+) -> dict[str, Any] | None:
+    """The evidence of a break off `parent`, as the trace row's `break_detail` (None: no parent)."""
+    if parent is None:
+        return None
+    return {
+        "lcp": lcp,
+        "prompt_len": prompt_len,
+        "parent_len": len(parent),
+        "diverged_in": evidence.diverged_in,
+        "diverged_call_id": diverged,
+        "system_changed": evidence.system_changed,
+        "tools_changed": evidence.tools_changed,
+        "history": evidence.history,
+        "compacted": evidence.compacted,
+        "agent_changed": evidence.agent_changed,
+    }
+
+
 def _role(reason: str, parent: Chain | None) -> str:
     if reason == SIDE_CALL:
         return "side"
@@ -562,139 +580,3 @@ def _aligned(logprobs: Sequence[float], k: int) -> array:
     if len(values) < k:
         values.frombytes(bytes(4 * (k - len(values))))
     return values
-
-
-# -- trainability and rows --------------------------------------------------------------------
-
-
-def untrainable_reasons(
-    chain_calls: Sequence[CallFacts],
-    rollout_calls: Sequence[CallFacts],
-    allow: frozenset[str] = frozenset(),
-    unmerged: Sequence[tuple[str, str]] = (),
-    strict: frozenset[str] = frozenset(),
-) -> list[str]:
-    """Why a trace must not be trained on; empty when it may.
-
-    Rollout-wide: its calls ran under more than one policy version (``policy_mixed``), one of
-    them errored (``call_error``), its id is the client address alone, which every session from
-    that address shares (``anonymous``) — each waived when `allow` names it (ALLOW_CHOICES) — or a
-    completed call has no token ids, so its sampled tokens are missing from the traces
-    (``ids_missing``), or, with ``polar_fidelity=strict`` (`strict` holds the drift flags), a
-    call of the rollout carries one of them (``fidelity_strict``). Per trace: a call the capture
-    path found untrainable (ids not from the upstream, unless ``polar_trust_retokenized``
-    vouched for them; fidelity flags).
-    """
-    reasons: list[str] = []
-    versions: list[str | None] = []
-    for c in rollout_calls:
-        for v in (c.policy_version, c.policy_version_end):
-            if v not in versions:
-                versions.append(v)
-    if len(versions) > 1 and "policy_mixed" not in allow:
-        shown = ", ".join("unset" if v is None else v for v in versions)
-        reasons.append(f"policy_mixed: the rollout's calls ran under {shown}")
-    if "call_error" not in allow:
-        for c in rollout_calls:
-            if c.status == "error":
-                reasons.append(f"call_error: call {c.call_id} failed: {c.error or 'error'}")
-                break
-    if "anonymous" not in allow:
-        for c in rollout_calls:
-            if c.rollout_source == ANONYMOUS_SOURCE:
-                reasons.append(
-                    f"anonymous: call {c.call_id} named no rollout (no polar- key, proxy "
-                    "credentials, x-polar-rollout header or session id): the rollout is every "
-                    "session from its client address"
-                )
-                break
-    for call_id, why in unmerged:
-        if why.startswith("no token ids"):
-            reasons.append(f"ids_missing: call {call_id} is in no trace ({why})")
-            break
-    if strict:
-        for c in rollout_calls:
-            hit = [f for f in c.flags if f in strict]
-            if hit:
-                reasons.append(f"fidelity_strict: call {c.call_id} flagged {','.join(hit)}")
-                break
-    for c in chain_calls:
-        if not c.trainable:
-            what = [f"ids_source={c.ids_source}"] if c.ids_source != "upstream" else []
-            what += [f"flagged {','.join(c.flags)}"] if c.flags else []
-            reasons.append(f"call_untrainable: call {c.call_id} ({'; '.join(what) or 'capture'})")
-            break
-    return reasons
-
-
-@dataclass(slots=True)
-class TraceMeta:
-    """The rollout-level columns of a trace row."""
-
-    rollout_id: str
-    group_id: str | None = None
-    sample_index: int | None = None
-    proxy_id: str | None = None
-    reward: float | None = None
-    status: str = "completed"
-    revision: int = 0
-    created_at: int | None = None
-    extra_flags: list[str] = field(default_factory=list)
-
-
-def trace_row(
-    chain: Chain, meta: TraceMeta, reasons: Sequence[str], fidelity: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """One `traces/` row (store.schema.TRACES_SCHEMA). The arrays are the chain's own: the
-    chain must not change afterwards (the store reads them from its journal thread)."""
-    versions: list[str] = []
-    flags: list[str] = list(meta.extra_flags)
-    for c in chain.calls:
-        for v in (c.policy_version, c.policy_version_end):
-            if v is not None and v not in versions:
-                versions.append(v)
-        for f in c.flags:
-            if f not in flags:
-                flags.append(f)
-    policy = chain.policy_tokens
-    return {
-        "trace_id": chain.trace_id,
-        "revision": meta.revision,
-        "rollout_id": meta.rollout_id,
-        "group_id": meta.group_id,
-        "sample_index": meta.sample_index,
-        "proxy_id": meta.proxy_id,
-        "role": chain.role,
-        "purpose": chain.purpose,
-        "agent": chain.agent,
-        "parent_trace_id": chain.parent.trace_id if chain.parent else None,
-        "parent_prefix_len": chain.prefix_len,
-        "break_reason": chain.break_reason,
-        "break_detail": json.dumps(chain.break_detail) if chain.break_detail else None,
-        "call_ids": chain.call_ids,
-        "call_offsets": chain.call_offsets,
-        "input_ids": chain.tokens,
-        "loss_mask": chain.mask,
-        "logprobs": chain.logprobs,
-        "num_policy_tokens": policy,
-        "num_env_tokens": len(chain) - policy,
-        "policy_versions": versions,
-        "fidelity_flags": flags,
-        "fidelity_json": json.dumps(fidelity) if fidelity else None,
-        "reward": meta.reward,
-        "status": meta.status,
-        "trainable": not reasons,
-        "untrainable_reason": "; ".join(reasons) or None,
-        "created_at": meta.created_at,
-        "constrained_spans": constrained_spans(chain),
-    }
-
-
-def constrained_spans(chain: Chain) -> list[int] | None:
-    """Flattened ``[start, end)`` pairs of the chain's tokens sampled under a grammar: each
-    call's output from its ``constrained_from`` on (None: no such token)."""
-    spans: list[int] = []
-    for facts, (start, end) in zip(chain.calls, chain._sampled(), strict=True):
-        if facts.constrained_from is not None and start + facts.constrained_from < end:
-            spans += [start + facts.constrained_from, end]
-    return spans or None

@@ -1,10 +1,10 @@
 """The rollouts a proxy is capturing: their merged chains, how they end, and their trace rows.
 
-`Rollouts` is a `CallSink`: each finished call goes to its rollout's `Merger`. A rollout ends
-when the control plane says so (with a reward and a status), after an idle timeout, or at
-shutdown (status ``incomplete``); its traces are written then, one row per chain. Ending a
-rollout that has already ended (a reward that arrives late) writes the same trace ids again with
-a higher ``revision``; readers keep the highest. A call that arrives for a rollout id after it
+Each finished call goes to its rollout's `Merger` (`Rollouts.call_finished`, a step of the call's
+pipeline, `addons/pipeline.py`). A rollout ends when the control plane says so (with a reward
+and a status), after an idle timeout, or at shutdown (status ``incomplete``); its traces are
+written then, one row per chain. Ending a rollout that has already ended (a reward that arrives
+late) writes the same trace ids again with a higher ``revision``; readers keep the highest. A call that arrives for a rollout id after it
 ended opens a new rollout under the same id (its traces get new trace ids).
 
 Calls that did not complete (``error``, ``client_aborted``, ``incomplete``) are not merged: the
@@ -21,9 +21,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ..call.record import CallRecord, now_us
+from ..core.record import CallRecord, now_us
 from ..tokens.drift import trace_summary
-from .merge import CallFacts, Merger, Placement, TraceMeta, trace_row, untrainable_reasons
+from .merge import CallFacts, Merger, Placement
+from .rows import TraceMeta, trace_row, untrainable_reasons
 
 log = logging.getLogger(__name__)
 STATUSES = ("completed", "incomplete", "error")

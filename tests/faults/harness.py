@@ -38,8 +38,9 @@ class Outcome:
 
 class SSEReader:
     """The `data:` payloads of a stream fed in pieces (written here, independent of
-    polar_mitm.call.sse; the proxy writes `\\n` line ends, `\\r\\n` in Google's dialect). Resumes its search where it stopped, so a
-    64 MB event arriving in 64 KB pieces costs one pass, not a thousand."""
+    polar_mitm.core.sse; the proxy writes `\\n` line ends, `\\r\\n` in Google's dialect). Resumes
+    its search where it stopped, so a 64 MB event arriving in 64 KB pieces costs one pass, not a
+    thousand."""
 
     def __init__(self) -> None:
         self.buffer = bytearray()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from polar_mitm.addons.capture import DEFAULT_HOSTS
-from polar_mitm.call.sse import SSEParser
+from polar_mitm.core.sse import SSEParser
 from polar_mitm.store import read_table
 from tests.helpers import TESTS
 from tests.helpers.clients import grep_bytes, http_client

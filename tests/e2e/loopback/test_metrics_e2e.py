@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.cli.fidelity_report import harness_of
 from polar_mitm.control import ControlAPI, ControlServer, ControlState
-from polar_mitm.record_facts import checked_with_tokenizer
+from polar_mitm.core.record_facts import checked_with_tokenizer
 from polar_mitm.store import read_table
 from tests.helpers import TESTS
 from tests.helpers.clients import http_client, openai_client, run_tool_conversation

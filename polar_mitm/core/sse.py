@@ -12,7 +12,7 @@ import codecs
 from dataclasses import dataclass
 from typing import Any
 
-from .. import fastjson
+from . import fastjson
 
 
 @dataclass(slots=True)

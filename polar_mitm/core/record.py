@@ -1,4 +1,4 @@
-"""One record per LLM call, and the redaction that keeps secrets off disk.
+"""One record per LLM call, and the sinks that finished records go to.
 
 A `CallRecord` is created when the harness's request is parsed and finished exactly once —
 completed, error, client_aborted — so every call leaves a row, never a silent gap. Its fields are
@@ -7,46 +7,20 @@ the columns of `store.schema.CALLS_SCHEMA`.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
-import re
 import time
 import uuid
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from .. import fastjson
 from ..store.delta import DELTA_BASE
-from .identity import KEY_HEADERS
 
 log = logging.getLogger(__name__)
-REDACTED = "[redacted]"
-# Headers whose values are credentials. Values are dropped, never hashed or truncated.
-SECRET_HEADERS = frozenset(
-    {
-        *KEY_HEADERS,  # the API keys
-        "proxy-authorization",
-        "cookie",
-        "set-cookie",
-        "openai-organization",
-        "openai-project",
-        "chatgpt-account-id",
-        "x-polar-control-token",
-    }
-)
-# JSON keys whose values are credentials wherever they appear in a stored body.
-_SECRET_KEY = re.compile(
-    r"^(api[_-]?key|authorization|password|passwd|secret|client[_-]?secret|access[_-]?token"
-    r"|refresh[_-]?token|id[_-]?token|session[_-]?token|cookie|credentials?)$",
-    re.IGNORECASE,
-)
-# Keys already seen not to be credential names (`has_secret_key`): a request repeats a few dozen
-# ("role", "content", "type", ...), so each costs one set lookup instead of a regex match. Bounded:
-# keys a harness makes up (a tool schema's property names) stop being added past the limit.
-_PLAIN_KEYS: set[str] = set()
-_PLAIN_KEYS_MAX = 4096
 
 
 def now_us() -> int:
@@ -226,7 +200,8 @@ _NOT_NULL_LISTS = frozenset({"output_token_ids", "output_logprobs"})
 
 
 class CallSink(Protocol):
-    """Anything that wants finished calls: the store, trajectories, fidelity checks.
+    """Anything that wants finished calls: the call's pipeline (`addons/pipeline.py`), and the
+    store and the metrics at its end.
 
     A sink may return a *receipt*: a `concurrent.futures.Future` (or an awaitable) that is done
     once the record is durable (the store: fsynced in the journal). The gateway holds the last
@@ -252,83 +227,17 @@ def deliver(record: CallRecord, sinks: Iterable[CallSink]) -> list[Any]:
     return receipts
 
 
-def redact_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, value in headers:
-        key = name.lower()
-        out[key] = REDACTED if key in SECRET_HEADERS else value
-    return out
+def one_receipt(receipts: list[Any]) -> Any:
+    """The sinks' receipts as one awaitable (or None when there is nothing to wait for)."""
+    if not receipts:
+        return None
+    if len(receipts) == 1:
+        return receipts[0]
+    return asyncio.gather(*(awaitable(r) for r in receipts))
 
 
-def secret_values(headers: Mapping[str, str]) -> list[str]:
-    """The credential values of a request, to scrub wherever else they might appear."""
-    values = []
-    for name in SECRET_HEADERS:
-        value = headers.get(name)
-        if value:
-            values.append(value)
-            scheme, _, rest = value.partition(" ")
-            if rest and scheme.lower() in ("bearer", "basic"):
-                values.append(rest.strip())
-    return [v for v in values if len(v) >= 6]
-
-
-def redact_obj(obj: Any) -> Any:
-    """A copy of a JSON value with credential-named keys blanked."""
-    if isinstance(obj, dict):
-        return {
-            k: (REDACTED if isinstance(k, str) and _SECRET_KEY.match(k) else redact_obj(v))
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [redact_obj(v) for v in obj]
-    return obj
-
-
-def has_secret_key(obj: Any) -> bool:
-    """Whether a credential-named key is anywhere in a JSON value (what `redact_obj` blanks).
-
-    A walk over the keys, not a search of the JSON text: a long agent request is hundreds of KB
-    of text but a few hundred keys, and the strings between them are skipped unread (a
-    case-insensitive regex over the text was 1.3 ms of a 250 KB request, this walk is a tenth of
-    that)."""
-    stack = [obj]
-    plain = _PLAIN_KEYS
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            for k, v in value.items():
-                if k not in plain and isinstance(k, str):
-                    if _SECRET_KEY.match(k):
-                        return True
-                    if len(plain) < _PLAIN_KEYS_MAX:
-                        plain.add(k)
-                if isinstance(v, (dict, list)):
-                    stack.append(v)
-        elif isinstance(value, list):
-            stack.extend(v for v in value if isinstance(v, (dict, list)))
-    return False
-
-
-def redacted_json(obj: Any, secrets: Iterable[str] = ()) -> str:
-    """Compact JSON of `obj` with credential-named keys blanked and `secrets` scrubbed.
-
-    Requests run to hundreds of KB in long agent loops and almost never hold a credential key,
-    so the tree is copied (`redact_obj`) only when `has_secret_key` finds one."""
-    text = fastjson.dumps(redact_obj(obj) if has_secret_key(obj) else obj)
-    return scrub(text, secrets)
-
-
-def scrub(text: str, secrets: Iterable[str]) -> str:
-    """`text` with each of `secrets` (in their order) replaced. A secret that holds a shorter one
-    absent from the text is absent too, so a request without its key ("Bearer K", "K") costs one
-    scan of its hundreds of KB, not one per value."""
-    secrets = list(secrets)
-    absent: list[str] = []
-    for secret in sorted(set(secrets), key=len):
-        if any(a in secret for a in absent) or secret not in text:
-            absent.append(secret)
-    for secret in secrets:
-        if secret not in absent and secret in text:
-            text = text.replace(secret, REDACTED)
-    return text
+def awaitable(receipt: Any) -> Any:
+    """A receipt the event loop can await (a thread's `concurrent.futures.Future` is wrapped)."""
+    if isinstance(receipt, concurrent.futures.Future):
+        return asyncio.wrap_future(receipt)
+    return receipt
