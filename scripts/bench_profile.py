@@ -36,7 +36,7 @@ import bench  # noqa: E402
 PARTS = {
     "the whole gateway: one captured call, upstream request to last byte": "_Connection._serve",
     "  relaying the stream (parse, capture, translate, write)": "Call._relay_stream",
-    "    decoding each upstream chunk (JSON)": "_json_chunk",
+    "    decoding each upstream chunk (JSON)": "json_chunk",
     "    the harness's chunk (dialect translation, JSON)": "_ChatStream.chunk",
     "    finishing the call (record, merge, checks, journal hand-off)": "Call._complete",
     "  opening the upstream request (aiohttp client)": "_BaseRequestContextManager.__aenter__",
