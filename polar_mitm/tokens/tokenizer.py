@@ -35,6 +35,9 @@ class PolicyTokenizer:
 
     _special: dict[str, int] | None = field(default=None, repr=False, compare=False)
     _special_re: re.Pattern[str] | None = field(default=None, repr=False, compare=False)
+    # The same ids for plain-ASCII text, without the HF pre-tokenizer's regex (`ascii_bpe.py`);
+    # False: not built yet, None: this tokenizer has none.
+    _ascii: Any = field(default=False, repr=False, compare=False)
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` as a server tokenizes rendered text: special-token strings in it
@@ -42,6 +45,14 @@ class PolicyTokenizer:
         if self.kind == "hf":
             backend = getattr(self.impl, "backend_tokenizer", None)
             if backend is not None:  # the same Rust tokenizer, without transformers' overhead
+                if self._ascii is False:
+                    from .ascii_bpe import AsciiEncoder
+
+                    self._ascii = AsciiEncoder.build(backend)
+                if self._ascii is not None:
+                    ids = self._ascii.encode(text)
+                    if ids is not None:
+                        return ids
                 if len(text) >= _UNLOCKED_CHARS:
                     # `encode` holds the GIL for all its work (2 ms for a 6k-character tool
                     # result: the event loop stands still); `encode_batch` lets it go
