@@ -79,6 +79,12 @@ SAMPLING_KEYS = (
 )
 
 
+# One encoder each, built once: `json.dumps` with arguments builds a new JSONEncoder per call (the
+# same text, byte for byte).
+_SORTED = json.JSONEncoder(ensure_ascii=False, sort_keys=True, default=str)
+_PLAIN = json.JSONEncoder(default=str)
+
+
 def message_key(message: Mapping[str, Any]) -> bytes:
     """A message as far as "the harness sent it back unchanged" goes: role, trimmed text, tool
     calls by name and argument value. Reasoning and tool-call ids are left out on purpose: a
@@ -108,13 +114,9 @@ def message_key(message: Mapping[str, Any]) -> bytes:
     # a byte stream.
     h = hashlib.blake2b(digest_size=16)
     for part in (
-        json.dumps(role, default=str).encode(),
+        _PLAIN.encode(role).encode(),
         text.encode("utf-8", "surrogatepass"),
-        json.dumps(calls, ensure_ascii=False, sort_keys=True, default=str).encode(
-            "utf-8", "surrogatepass"
-        )
-        if calls
-        else b"",
+        _SORTED.encode(calls).encode("utf-8", "surrogatepass") if calls else b"",
     ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
@@ -122,7 +124,7 @@ def message_key(message: Mapping[str, Any]) -> bytes:
 
 
 def _context_key(inp: RenderInput) -> str:
-    blob = json.dumps([inp.tools, inp.kwargs], ensure_ascii=False, sort_keys=True, default=str)
+    blob = _SORTED.encode([inp.tools, inp.kwargs])
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
 
