@@ -39,7 +39,7 @@ from ..call.record import CallRecord
 from ..output_parsers import Family
 from ..tokens.conversation import RenderInput, RequestError, history_message, render_input
 from ..tokens.tokenizer import PolicyTokenizer
-from .ids_json import IdsJson, ids_text, joined
+from .ids_json import IdsJson, ids_text, inner, joined
 
 log = logging.getLogger("polar_mitm")
 
@@ -333,9 +333,8 @@ class ExactPrefix:
         )
         if lookup.plan is not None and len(prompt_ids) == len(lookup.plan.prompt_ids):
             # what the next call sends: this one's prompt text as sent, then its output
-            self.texts.put(
-                call_id, joined(lookup.plan.prompt_json[1:-1], ids_text(output_ids))[1:-1]
-            )
+            sent = memoryview(lookup.plan.prompt_json)[1:-1]  # no copy: `inner` makes the one
+            self.texts.put(call_id, inner(sent, ids_text(output_ids)))
         chains = self._rollouts.pop(rollout_id, None) or []
         n = len(lookup.keys)
         kept, replaced = [], []
