@@ -16,6 +16,12 @@ call goes through what exact-prefix mode adds to the proxy, timed in CPU time of
 Chat mode adds none of these, so the figures are absolute milliseconds per call, for the first and
 the last quarter of the rollout (the hot path must not grow with the conversation).
 
+    .venv/bin/python scripts/bench_exact.py --long [--turns 30]
+
+the hot path on scripts/bench.py --long's sessions instead (a 40k-character system prompt, 10
+long tools, a 6k-character tool result a turn, prompts to ~80k tokens): `plan` per call, and at
+the last turn each of its parts (CPU, median of 30 runs).
+
     .venv/bin/python scripts/bench_exact.py --proxy [--conversations 6]
 
 measures the whole proxy instead: the reference policy server, and mitmdump with the addon run
@@ -254,18 +260,117 @@ def _tool_loops(client, n: int, tag: str) -> list[float]:
     return times
 
 
+def long_figures(turns: int = 30) -> dict:
+    """`plan` on bench_long's sessions: per call over the session, and its parts at the end."""
+    import array
+
+    import bench_long  # noqa: PLC0415 - scripts/bench_long.py: the long sessions
+
+    from polar_mitm.trajectory import exact_prefix as ep
+    from polar_mitm.trajectory.ids_json import ids_text, joined
+
+    tok = load_tokenizer(str(qwen3_tokenizer_dir()))
+    tok.warm()
+    book = ExactPrefix(tok, family("qwen3"))
+    session = bench_long.Session(0)
+    per_call = []
+    for t in range(turns):
+        body = session.body()
+        t0 = CLOCK()
+        lookup = book.plan(book.chains("long"), body, 262144)
+        per_call.append((CLOCK() - t0) * 1e3)
+        if lookup.plan is not None:
+            prompt = lookup.plan.prompt_ids
+        else:
+            assert t == 0, lookup.reason
+            prompt = ep.chat_prompt_ids(tok, "vllm", body)
+        reasoning, content, arguments = bench_long.reply(t)
+        name = f"tool_{t % bench_long.TOOLS}"
+        reply = {
+            "role": "assistant",
+            "content": content,
+            "reasoning": reasoning,
+            "tool_calls": [
+                {
+                    "id": f"call_{t}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(arguments)},
+                }
+            ],
+        }
+        call = json.dumps({"name": name, "arguments": arguments})
+        output = tok.encode(
+            f"<think>\n{reasoning}\n</think>\n\n{content}\n<tool_call>\n{call}\n</tool_call>{IM_END}"
+        )
+        book.remember("long", lookup, reply, prompt, output, f"c{t}")
+        session.advance(t)
+    body = session.body()
+    chain = book.chains("long")[-1]
+    inp = render_input(body)
+    tail = inp.messages[len(chain.keys) :]
+    lead = [inp.messages[0]]
+    stand_in = [
+        *lead,
+        {"role": "user", "content": "."},
+        {**chain.last_assistant, "content": ep.SENTINEL},
+        *tail,
+    ]
+    text = tok.render(stand_in, inp.tools, inp.kwargs)
+    at = text.find(chain.eos_text, text.find(ep.SENTINEL))
+    new_text = text[at + len(chain.eos_text) :]
+    new = tok.encode(new_text)
+    backend = tok.impl.backend_tokenizer
+
+    def cpu(fn) -> float:
+        fn()
+        runs = []
+        for _ in range(30):
+            t0 = CLOCK()
+            fn()
+            runs.append((CLOCK() - t0) * 1e3)
+        return statistics.median(runs)
+
+    q = max(1, turns // 5)
+    return {
+        "long_plan_ms_cpu_per_call": statistics.fmean(per_call[1:]),
+        "long_plan_ms_cpu_last_fifth": statistics.fmean(per_call[-q:]),
+        "long_last_chain_tokens": len(chain.tokens),
+        "long_last_new_tokens": len(new),
+        "long_last_plan_ms": cpu(lambda: book.plan([chain], body, 262144)),
+        "long_last_render_input_ms": cpu(lambda: render_input(body)),
+        "long_last_message_keys_ms": cpu(lambda: [ep.message_key(m) for m in inp.messages]),
+        "long_last_context_key_ms": cpu(lambda: ep._context_key(inp)),
+        "long_last_render_ms": cpu(lambda: tok.render(stand_in, inp.tools, inp.kwargs)),
+        "long_last_encode_ms": cpu(lambda: tok.encode(new_text)),
+        "long_last_encode_hf_ms": cpu(
+            lambda: backend.encode(new_text, add_special_tokens=False).ids
+        ),
+        "long_last_prompt_ms": cpu(
+            lambda: (
+                chain.tokens + array.array("i", new),
+                joined(book.texts.of(chain.last_call_id, chain.tokens), ids_text(new)),
+            )
+        ),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--turns", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=None, help="40; --long: 30")
     ap.add_argument("--repeat", type=int, default=3, help="best of this many runs")
     ap.add_argument("--smoke", action="store_true", help="tiny counts: only checks that it runs")
     ap.add_argument("--proxy", action="store_true", help="measure the whole proxy (mitmdump)")
+    ap.add_argument(
+        "--long", action="store_true", help="the hot path on bench.py --long's sessions"
+    )
     ap.add_argument("--conversations", type=int, default=6, help="tool loops per proxy (--proxy)")
     args = ap.parse_args()
     if args.proxy:
         out = proxy_figures(args.conversations)
+    elif args.long:
+        out = long_figures(args.turns or 30)
     else:
-        out = figures(args.smoke, args.turns, args.repeat)
+        out = figures(args.smoke, args.turns or 40, args.repeat)
     for key, value in out.items():
         print(f"{key:40s} {value:10.2f}")
 

@@ -177,3 +177,31 @@ def test_a_token_in_reply_names_its_tokens_by_id(sampled):
     named["choices"][0]["logprobs"]["tokens"] = list(pieces)
     with pytest.raises(ValueError, match="is not 'token_id:N'"):
         _reply(tok).reply(named)
+
+
+def test_complete_json_check_is_json_loads():
+    """`_is_complete_json` (its shortcut for an open object or array) answers as `json.loads`
+    does, on every prefix of tool-call bodies, with and without whitespace around them."""
+    from polar_mitm.output_parsers.qwen3 import _is_complete_json
+
+    def loads_ok(text: str) -> bool:
+        try:
+            json.loads(text)
+        except ValueError:
+            return False
+        return True
+
+    bodies = [
+        '{"name": "run", "arguments": {"cmd": "ls -la }", "n": [1, 2, {"a": null}]}}',
+        '[{"name": "x", "arguments": {}}]',
+        '{"name": "t", "arguments": "{\\"q\\": 1}"}\n',
+        ' {"a": NaN, "b": Infinity}\u3000',
+        '"just a string"',
+        "12.5e3",
+        "{}",
+        "[]",
+    ]
+    for body in bodies:
+        for end in range(len(body) + 1):
+            for text in (body[:end], body[:end].strip(), body[:end] + " \n"):
+                assert _is_complete_json(text) == loads_ok(text), repr(text)

@@ -130,7 +130,18 @@ def _partial_tag_overlap(text: str, tag: str) -> int:
     return 0
 
 
+_CLOSING = {"{": "}", "[": "]"}
+
+
 def _is_complete_json(text: str) -> bool:
+    """Whether `json.loads` takes `text` (a tool call's body so far). Asked on every streamed
+    token of a tool call, where the answer is no until its last: a text that opens an object or
+    array and ends with a character that is neither its closing bracket nor whitespace is not
+    JSON (a document's last character is one of those), and is answered without `json.loads`
+    raising and building its error."""
+    close = _CLOSING.get(text[:1])
+    if close is not None and text[-1:] != close and not text[-1:].isspace():
+        return False
     try:
         json.loads(text)
     except ValueError:

@@ -35,6 +35,9 @@ class PolicyTokenizer:
 
     _special: dict[str, int] | None = field(default=None, repr=False, compare=False)
     _special_re: re.Pattern[str] | None = field(default=None, repr=False, compare=False)
+    # The same ids for plain-ASCII text, without the HF pre-tokenizer's regex (`ascii_bpe.py`);
+    # False: not built yet, None: this tokenizer has none.
+    _ascii: Any = field(default=False, repr=False, compare=False)
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` as a server tokenizes rendered text: special-token strings in it
@@ -42,6 +45,14 @@ class PolicyTokenizer:
         if self.kind == "hf":
             backend = getattr(self.impl, "backend_tokenizer", None)
             if backend is not None:  # the same Rust tokenizer, without transformers' overhead
+                if self._ascii is False:
+                    from .ascii_bpe import AsciiEncoder
+
+                    self._ascii = AsciiEncoder.build(backend)
+                if self._ascii is not None:
+                    ids = self._ascii.encode(text)
+                    if ids is not None:
+                        return ids
                 if len(text) >= _UNLOCKED_CHARS:
                     # `encode` holds the GIL for all its work (2 ms for a 6k-character tool
                     # result: the event loop stands still); `encode_batch` lets it go
@@ -153,9 +164,28 @@ def load_tokenizer(spec: str) -> PolicyTokenizer:
     try:
         from transformers import AutoTokenizer
 
-        return PolicyTokenizer(spec, "hf", AutoTokenizer.from_pretrained(str(path)))
+        impl = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for a bad dir
         raise TokenizerError(f"cannot load a tokenizer from {spec!r}: {e}") from None
+    _drop_build_inputs(impl)
+    return PolicyTokenizer(spec, "hf", impl)
+
+
+# Tokenizer classes that keep the vocabulary and merges they built their Rust tokenizer from, and
+# read them nowhere after `__init__` (transformers 5's qwen2/tokenization_qwen2.py: Qwen2, Qwen2.5,
+# Qwen3). Other classes keep theirs (some read them again, e.g. to save a vocabulary).
+_BUILD_INPUTS = {("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer")}
+
+
+def _drop_build_inputs(impl: Any) -> None:
+    """Let go of a tokenizer's Python copy of its vocabulary and merges (`_BUILD_INPUTS`): the
+    Qwen3 tokenizer's dict of 151,643 strings and list of 151,387 pairs are 46 MB of the proxy's
+    RSS that nothing reads (the Rust tokenizer has its own)."""
+    if (type(impl).__module__, type(impl).__name__) not in _BUILD_INPUTS:
+        return
+    for name in ("_vocab", "_merges"):
+        if isinstance(getattr(impl, name, None), (dict, list)):
+            setattr(impl, name, None)
 
 
 def _load_gguf(path: str) -> Any:

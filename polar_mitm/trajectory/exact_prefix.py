@@ -39,7 +39,7 @@ from ..core.record import CallRecord
 from ..output_parsers import Family
 from ..tokens.conversation import RenderInput, RequestError, history_message, render_input
 from ..tokens.tokenizer import PolicyTokenizer
-from .ids_json import IdsJson, ids_text, joined
+from .ids_json import IdsJson, ids_text, inner, joined
 
 log = logging.getLogger("polar_mitm")
 
@@ -79,6 +79,12 @@ SAMPLING_KEYS = (
 )
 
 
+# One encoder each, built once: `json.dumps` with arguments builds a new JSONEncoder per call (the
+# same text, byte for byte).
+_SORTED = json.JSONEncoder(ensure_ascii=False, sort_keys=True, default=str)
+_PLAIN = json.JSONEncoder(default=str)
+
+
 def message_key(message: Mapping[str, Any]) -> bytes:
     """A message as far as "the harness sent it back unchanged" goes: role, trimmed text, tool
     calls by name and argument value. Reasoning and tool-call ids are left out on purpose: a
@@ -108,13 +114,9 @@ def message_key(message: Mapping[str, Any]) -> bytes:
     # a byte stream.
     h = hashlib.blake2b(digest_size=16)
     for part in (
-        json.dumps(role, default=str).encode(),
+        _PLAIN.encode(role).encode(),
         text.encode("utf-8", "surrogatepass"),
-        json.dumps(calls, ensure_ascii=False, sort_keys=True, default=str).encode(
-            "utf-8", "surrogatepass"
-        )
-        if calls
-        else b"",
+        _SORTED.encode(calls).encode("utf-8", "surrogatepass") if calls else b"",
     ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
@@ -122,7 +124,7 @@ def message_key(message: Mapping[str, Any]) -> bytes:
 
 
 def _context_key(inp: RenderInput) -> str:
-    blob = json.dumps([inp.tools, inp.kwargs], ensure_ascii=False, sort_keys=True, default=str)
+    blob = _SORTED.encode([inp.tools, inp.kwargs])
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
 
@@ -331,9 +333,8 @@ class ExactPrefix:
         )
         if lookup.plan is not None and len(prompt_ids) == len(lookup.plan.prompt_ids):
             # what the next call sends: this one's prompt text as sent, then its output
-            self.texts.put(
-                call_id, joined(lookup.plan.prompt_json[1:-1], ids_text(output_ids))[1:-1]
-            )
+            sent = memoryview(lookup.plan.prompt_json)[1:-1]  # no copy: `inner` makes the one
+            self.texts.put(call_id, inner(sent, ids_text(output_ids)))
         chains = self._rollouts.pop(rollout_id, None) or []
         n = len(lookup.keys)
         kept, replaced = [], []

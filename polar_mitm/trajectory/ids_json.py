@@ -27,9 +27,16 @@ def ids_text(ids: Sequence[int]) -> bytes:
     return fastjson.dumps_bytes(values)[1:-1]
 
 
-def joined(*parts: bytes) -> bytes:
-    """The JSON list of the ids in these texts (each as `ids_text` writes them)."""
-    return b"[" + b",".join(p for p in parts if p) + b"]"
+def joined(*parts: bytes | memoryview) -> bytes:
+    """The JSON list of the ids in these texts (each as `ids_text` writes them). One copy of
+    the parts (a chain's text is 400 KB at 60k ids): not ``b"[" + ... + b"]"``, which copies it
+    three times."""
+    return b"".join([b"[", b",".join([p for p in parts if len(p)]), b"]"])
+
+
+def inner(*parts: bytes | memoryview) -> bytes:
+    """The ids of these texts as one text (the inside of `joined`'s list), in one copy."""
+    return b",".join([p for p in parts if len(p)])
 
 
 class IdsJson:

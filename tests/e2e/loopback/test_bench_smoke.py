@@ -122,3 +122,18 @@ def test_profile_parts_name_real_functions():
                     known.update(f"{obj.__qualname__}.{name}" for name in vars(obj))
     missing = [fn for fn in bench_profile.PARTS.values() if fn not in known]
     assert not missing, missing
+
+
+def test_bench_exact_long_smoke():
+    """scripts/bench_exact.py --long (exact-prefix's hot path on bench.py --long's sessions)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_exact.py"), "--long", "--turns", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures = dict(line.split() for line in proc.stdout.splitlines() if line.startswith("long_"))
+    assert float(figures["long_last_plan_ms"]) > 0
+    assert float(figures["long_last_encode_ms"]) > 0
