@@ -81,3 +81,20 @@ def test_loads_ids_reads_a_long_id_list_into_int32_and_nothing_else(ids, odd, sp
     assert fastjson.loads_ids(json.dumps(nested)) == json.loads(json.dumps(nested))
     with pytest.raises(ValueError):
         fastjson.loads_ids(text[:-2] + ",]}")
+
+
+def test_an_upstream_body_with_prompt_ids_and_escapes_is_checked_for_lone_surrogates():
+    """The surrogate check of a long upstream body looks past the ids array loads_ids makes (it
+    once raised on the array: a polar-mitm internal error for a valid reply the fuzz found)."""
+    from array import array
+
+    from polar_mitm.call.failures import json_value
+
+    ids = list(range(3000))
+    valid = json.dumps({"prompt_token_ids": ids, "text": "\ud83d\ude00 ok"})
+    value = json_value(valid, "body")
+    assert isinstance(value["prompt_token_ids"], array) and list(value["prompt_token_ids"]) == ids
+    assert value["text"] == "\U0001f600 ok"
+    lone = json.dumps({"prompt_token_ids": ids, "text": "\ud800"})
+    with pytest.raises(ValueError, match="lone surrogate"):
+        json_value(lone, "body")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
@@ -135,13 +136,19 @@ def json_value(data: str, what: str) -> Any:
     value = fastjson.loads_ids(data)
     # rare: only then look at the strings (no backslash at all, e.g. an id list: one memchr)
     if "\\" in data and ("\\ud" in data or "\\uD" in data):
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        try:  # an int32 array of ids holds no text: written as null, never looked into
+            json.dumps(value, ensure_ascii=False, default=_no_text).encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(
                 f"the {what} holds a lone surrogate escape: not valid Unicode"
             ) from None
     return value
+
+
+def _no_text(value: object) -> None:
+    """`json.dumps`'s fallback in the surrogate check: the ids array `loads_ids` makes."""
+    if not isinstance(value, array):
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def json_chunk(data: str) -> dict[str, Any]:
