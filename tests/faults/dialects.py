@@ -76,9 +76,29 @@ class DialectRow(ABC):
     def reply(self, payload: Any) -> tuple[str, str | None]:
         """(visible text, reply id) of a non-streaming reply; AssertionError if malformed."""
 
-    @abstractmethod
+    # The payload that ends a stream without being JSON (OpenAI chat's `[DONE]`), if any.
+    done_payload: str | None = None
+
     def stream(self, payloads: list[str]) -> StreamResult:
         """Check and read a stream given its `data:` payloads (AssertionError if malformed)."""
+        result, text = StreamResult(), []
+        for data in payloads:
+            assert not result.done and result.error is None, f"event after the end: {data!r}"
+            if data == self.done_payload:
+                result.done = True
+                continue
+            obj = json.loads(data)
+            result.events.append(obj)
+            text.append(self.event(obj, data, result))
+        if self.done_payload is None:  # the dialect names its reply in an event of its own
+            assert result.reply_id is not None or result.error is not None, payloads[:3]
+        result.text = "".join(text)
+        return result
+
+    @abstractmethod
+    def event(self, obj: Any, data: str, result: StreamResult) -> str:
+        """Check one decoded stream event, note its end, error or reply id in `result`, and
+        return its visible text ("" for none); AssertionError if malformed."""
 
     def kind(self, kind: str, status: int = 200) -> str:
         """This dialect's error type for one of the OpenAI-named kinds the suite expects, in an
@@ -125,32 +145,25 @@ class OpenAIChatRow(DialectRow):
         content = message.get("content")
         return content if isinstance(content, str) else "", payload["id"]
 
-    def stream(self, payloads: list[str]) -> StreamResult:
-        result = StreamResult()
+    done_payload = "[DONE]"
+
+    def event(self, obj: Any, data: str, result: StreamResult) -> str:
+        assert isinstance(obj, dict), data
+        if obj.get("error"):  # what the SDKs raise on (`"error": null` is no error)
+            result.error = self.error(obj)
+            return ""
+        assert obj.get("object") == "chat.completion.chunk", data
+        assert "prompt_token_ids" not in obj, data
+        if result.reply_id is None:
+            result.reply_id = obj.get("id")
+        assert obj.get("id") == result.reply_id, f"chunk {len(result.events)} changed id: {data!r}"
         text = []
-        for i, data in enumerate(payloads):
-            assert not result.done and result.error is None, f"event after the end: {data!r}"
-            if data == "[DONE]":
-                result.done = True
-                continue
-            obj = json.loads(data)
-            result.events.append(obj)
-            assert isinstance(obj, dict), data
-            if obj.get("error"):  # what the SDKs raise on (`"error": null` is no error)
-                result.error = self.error(obj)
-                continue
-            assert obj.get("object") == "chat.completion.chunk", data
-            assert "prompt_token_ids" not in obj, data
-            if result.reply_id is None:
-                result.reply_id = obj.get("id")
-            assert obj.get("id") == result.reply_id, f"chunk {i} changed id: {data!r}"
-            for choice in obj.get("choices") or ():
-                assert "token_ids" not in choice, data
-                content = (choice.get("delta") or {}).get("content")
-                if isinstance(content, str):
-                    text.append(content)
-        result.text = "".join(text)
-        return result
+        for choice in obj.get("choices") or ():
+            assert "token_ids" not in choice, data
+            content = (choice.get("delta") or {}).get("content")
+            if isinstance(content, str):
+                text.append(content)
+        return "".join(text)
 
 
 class OpenAIResponsesRow(DialectRow):
@@ -192,37 +205,29 @@ class OpenAIResponsesRow(DialectRow):
         assert isinstance(payload.get("id"), str), payload
         return self._text(payload["output"]), payload["id"]
 
-    def stream(self, payloads: list[str]) -> StreamResult:
-        result = StreamResult()
-        text = []
-        for data in payloads:
-            assert not result.done and result.error is None, f"event after the end: {data!r}"
-            obj = json.loads(data)
-            result.events.append(obj)
-            assert isinstance(obj, dict) and isinstance(obj.get("type"), str), data
-            kind = obj["type"]
-            if kind == "error":
-                result.error = ErrorShape(str(obj.get("code")), obj["message"])
-            elif (
-                kind.startswith("response.")
-                and "response" in obj
-                and kind != "response.output_item.added"
-            ):
-                response = obj["response"]
-                if result.reply_id is None:
-                    result.reply_id = response["id"]
-                assert response["id"] == result.reply_id, data
-                if kind in ("response.completed", "response.incomplete"):
-                    result.done = True
-                elif kind == "response.failed":
-                    error = response["error"]
-                    result.error = ErrorShape(error["code"], error["message"])
-            elif kind == "response.output_text.delta":
-                assert isinstance(obj["delta"], str), data
-                text.append(obj["delta"])
-        assert result.reply_id is not None or result.error is not None, payloads[:3]
-        result.text = "".join(text)
-        return result
+    def event(self, obj: Any, data: str, result: StreamResult) -> str:
+        assert isinstance(obj, dict) and isinstance(obj.get("type"), str), data
+        kind = obj["type"]
+        if kind == "error":
+            result.error = ErrorShape(str(obj.get("code")), obj["message"])
+        elif (
+            kind.startswith("response.")
+            and "response" in obj
+            and kind != "response.output_item.added"
+        ):
+            response = obj["response"]
+            if result.reply_id is None:
+                result.reply_id = response["id"]
+            assert response["id"] == result.reply_id, data
+            if kind in ("response.completed", "response.incomplete"):
+                result.done = True
+            elif kind == "response.failed":
+                error = response["error"]
+                result.error = ErrorShape(error["code"], error["message"])
+        elif kind == "response.output_text.delta":
+            assert isinstance(obj["delta"], str), data
+            return obj["delta"]
+        return ""
 
 
 class AnthropicMessagesRow(DialectRow):
@@ -261,28 +266,20 @@ class AnthropicMessagesRow(DialectRow):
         assert all(isinstance(t, str) for t in text), payload
         return "".join(text), payload["id"]
 
-    def stream(self, payloads: list[str]) -> StreamResult:
-        result = StreamResult()
-        text = []
-        for data in payloads:
-            assert not result.done and result.error is None, f"event after the end: {data!r}"
-            obj = json.loads(data)
-            result.events.append(obj)
-            assert isinstance(obj, dict) and isinstance(obj.get("type"), str), data
-            kind = obj["type"]
-            if kind == "error":
-                result.error = self.error(obj)
-            elif kind == "message_start":
-                assert result.reply_id is None, data
-                result.reply_id = obj["message"]["id"]
-            elif kind == "message_stop":
-                result.done = True
-            elif kind == "content_block_delta" and obj["delta"].get("type") == "text_delta":
-                assert isinstance(obj["delta"]["text"], str), data
-                text.append(obj["delta"]["text"])
-        assert result.reply_id is not None or result.error is not None, payloads[:3]
-        result.text = "".join(text)
-        return result
+    def event(self, obj: Any, data: str, result: StreamResult) -> str:
+        assert isinstance(obj, dict) and isinstance(obj.get("type"), str), data
+        kind = obj["type"]
+        if kind == "error":
+            result.error = self.error(obj)
+        elif kind == "message_start":
+            assert result.reply_id is None, data
+            result.reply_id = obj["message"]["id"]
+        elif kind == "message_stop":
+            result.done = True
+        elif kind == "content_block_delta" and obj["delta"].get("type") == "text_delta":
+            assert isinstance(obj["delta"]["text"], str), data
+            return obj["delta"]["text"]
+        return ""
 
 
 class GoogleGeminiRow(DialectRow):
@@ -356,27 +353,18 @@ class GoogleGeminiRow(DialectRow):
         assert isinstance(payload.get("usageMetadata"), Mapping), payload
         return text, payload["responseId"]
 
-    def stream(self, payloads: list[str]) -> StreamResult:
-        result = StreamResult()
-        text = []
-        for data in payloads:
-            assert not result.done and result.error is None, f"event after the end: {data!r}"
-            obj = json.loads(data)
-            result.events.append(obj)
-            if isinstance(obj, dict) and "error" in obj:
-                result.error = self.error(obj)
-                continue
-            candidate, piece = self._candidate(obj)
-            if result.reply_id is None:
-                result.reply_id = obj["responseId"]
-            assert obj["responseId"] == result.reply_id, data
-            text.append(piece)
-            if candidate.get("finishReason"):
-                assert isinstance(obj.get("usageMetadata"), Mapping), data
-                result.done = True
-        assert result.reply_id is not None or result.error is not None, payloads[:3]
-        result.text = "".join(text)
-        return result
+    def event(self, obj: Any, data: str, result: StreamResult) -> str:
+        if isinstance(obj, dict) and "error" in obj:
+            result.error = self.error(obj)
+            return ""
+        candidate, piece = self._candidate(obj)
+        if result.reply_id is None:
+            result.reply_id = obj["responseId"]
+        assert obj["responseId"] == result.reply_id, data
+        if candidate.get("finishReason"):
+            assert isinstance(obj.get("usageMetadata"), Mapping), data
+            result.done = True
+        return piece
 
 
 #: The suite's rows, by dialect name. A new dialect adds its row here.
@@ -400,7 +388,7 @@ class MissingRow(DialectRow):
             "(a valid body, its headers, how to read its replies, streams and errors)"
         )
 
-    body = headers = error = reply = stream = _fail
+    body = headers = error = reply = stream = event = _fail
 
 
 def dialect_rows() -> list[DialectRow]:

@@ -87,22 +87,23 @@ def chat(
     return r.json()["choices"][0]["message"]
 
 
-def agent(
+def run_agent(
     client: httpx.Client, rollout: str, messages: list[dict], tools: list[dict]
 ) -> list[dict]:
-    """A careful harness: replies go back verbatim, reasoning included, so the chain extends."""
+    """A careful harness: each reply goes back verbatim, reasoning included (vLLM reads
+    `reasoning`), so the chat template can re-render earlier turns as they were sampled."""
     replies = []
     for _ in range(10):
         reply = chat(client, rollout, messages, tools)
         replies.append(reply)
-        turn = {
+        assistant = {
             "role": "assistant",
             "content": reply.get("content"),
             "reasoning": reply.get("reasoning"),
         }
         if reply.get("tool_calls"):
-            turn["tool_calls"] = reply["tool_calls"]
-        messages.append(turn)
+            assistant["tool_calls"] = reply["tool_calls"]
+        messages.append(assistant)
         for call in reply.get("tool_calls") or ():
             cmd = json.loads(call["function"]["arguments"])["cmd"]
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": OUTPUTS[cmd]})
@@ -128,7 +129,7 @@ def _combo(client: httpx.Client) -> None:
         {"role": "system", "content": "[sub-agent] You count lines."},
         {"role": "user", "content": json.loads(spawn["function"]["arguments"])["task"]},
     ]
-    answer = agent(client, "combo.0", sub, [RUN_SHELL])[-1]["content"]
+    answer = run_agent(client, "combo.0", sub, [RUN_SHELL])[-1]["content"]
     messages.append(
         {
             "role": "assistant",
@@ -138,7 +139,7 @@ def _combo(client: httpx.Client) -> None:
         }
     )
     messages.append({"role": "tool", "tool_call_id": spawn["id"], "content": answer})
-    agent(client, "combo.0", messages, [RUN_SHELL, SPAWN])
+    run_agent(client, "combo.0", messages, [RUN_SHELL, SPAWN])
     compacted = [
         main_system,
         {
@@ -146,7 +147,7 @@ def _combo(client: httpx.Client) -> None:
             "content": "[summary] A sub-agent counted 3 lines in notes.txt. Continue.",
         },
     ]
-    agent(client, "combo.0", compacted, [RUN_SHELL, SPAWN])
+    run_agent(client, "combo.0", compacted, [RUN_SHELL, SPAWN])
 
 
 def _stream(client: httpx.Client) -> None:
@@ -169,7 +170,7 @@ def produce(tmp: Path, confdir: Path) -> Session:
         mitm = start_mitm(tmp, confdir, server.url, polar_control_token=TOKEN)
         ctl = ControlClient(TOKEN, proxy=mitm.url)
         with http_client(mitm) as client:
-            agent(
+            run_agent(
                 client,
                 "loop.0",
                 [

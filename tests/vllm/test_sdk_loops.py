@@ -9,21 +9,14 @@ import pytest
 from polar_mitm.store import read_table
 from tests.e2e.loopback.test_capture_e2e import calls_of
 from tests.e2e.loopback.test_dialects_e2e import (
-    ANTHROPIC_TOOL,
     FINAL_TEXT,
     QUESTION,
-    RESPONSES_TOOL,
     SYSTEM,
     anthropic_client,
+    messages_loop,
+    responses_loop,
 )
-from tests.helpers.clients import (
-    RUN_SHELL,
-    _streamed_reply,
-    messages_next,
-    openai_client,
-    responses_next,
-    tool_messages,
-)
+from tests.helpers.clients import RUN_SHELL, _streamed_reply, openai_client, tool_messages
 
 from .checks import check_exact, check_rescoring
 
@@ -57,56 +50,6 @@ def chat_loop(client, stream: bool) -> list[dict]:
         if not reply.get("tool_calls"):
             break
     return replies
-
-
-def responses_loop(client, stream: bool) -> list:
-    items: list[dict] = [{"role": "user", "content": QUESTION}]
-    finals = []
-    for _ in range(3):
-        kwargs = dict(
-            model="gpt-5",
-            instructions=SYSTEM,
-            input=items,
-            tools=[RESPONSES_TOOL],
-            include=["reasoning.encrypted_content"],
-            store=False,
-        )
-        if stream:
-            with client.responses.stream(**kwargs) as s:
-                final = s.get_final_response()
-        else:
-            final = client.responses.create(**kwargs)
-        assert final.status == "completed"
-        finals.append(final)
-        more, called = responses_next(final)
-        items += more
-        if not called:
-            break
-    return finals
-
-
-def messages_loop(client, stream: bool) -> list:
-    messages: list[dict] = [{"role": "user", "content": QUESTION}]
-    finals = []
-    for _ in range(3):
-        kwargs = dict(
-            model="claude-sonnet-4-5",
-            max_tokens=1024,
-            system=SYSTEM,
-            messages=messages,
-            tools=[ANTHROPIC_TOOL],
-        )
-        if stream:
-            with client.messages.stream(**kwargs) as s:
-                final = s.get_final_message()
-        else:
-            final = client.messages.create(**kwargs)
-        finals.append(final)
-        more, used = messages_next(final)
-        messages += more
-        if not used:
-            break
-    return finals
 
 
 def one_chain(mitm, rows: list[dict], vllm_url: str, rollout: str) -> dict:

@@ -50,6 +50,61 @@ ANTHROPIC_TOOL = {
 FINAL_TEXT = "notes.txt has 3 lines: alpha, beta and gamma."
 
 
+def responses_loop(client: openai.OpenAI, stream: bool, events: list | None = None) -> list:
+    """Codex's tool loop through the SDK: up to three turns, each reply's items sent back as
+    Codex does (stateless, reasoning sealed); a stream's event types go to `events`."""
+    items: list[dict] = [{"role": "user", "content": QUESTION}]
+    finals = []
+    for _ in range(3):
+        kwargs = dict(
+            model="gpt-5",
+            instructions=SYSTEM,
+            input=items,
+            tools=[RESPONSES_TOOL],
+            include=["reasoning.encrypted_content"],
+            store=False,
+        )
+        if stream:
+            with client.responses.stream(**kwargs) as s:
+                if events is not None:
+                    events.append([e.type for e in s])
+                final = s.get_final_response()
+        else:
+            final = client.responses.create(**kwargs)
+        assert final.status == "completed"
+        finals.append(final)
+        more, called = responses_next(final)
+        items = items + more
+        if not called:
+            break
+    return finals
+
+
+def messages_loop(client: anthropic.Anthropic, stream: bool) -> list:
+    """Claude Code's tool loop through the SDK: up to three turns, each reply sent back whole."""
+    messages: list[dict] = [{"role": "user", "content": QUESTION}]
+    finals = []
+    for _ in range(3):
+        kwargs = dict(
+            model="claude-sonnet-4-5",
+            max_tokens=1024,
+            system=SYSTEM,
+            messages=messages,
+            tools=[ANTHROPIC_TOOL],
+        )
+        if stream:
+            with client.messages.stream(**kwargs) as s:
+                final = s.get_final_message()
+        else:
+            final = client.messages.create(**kwargs)
+        finals.append(final)
+        more, used = messages_next(final)
+        messages = messages + more
+        if not used:
+            break
+    return finals
+
+
 @pytest.fixture(scope="module")
 def qwen3():
     return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
@@ -132,29 +187,9 @@ def test_responses_three_turn_tool_conversation(
     server = make_policy_server(SCENARIO, kind=upstream_kind)
     mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
     client = openai_client(mitm, api_key="polar-resp.1")
-    items: list[dict] = [{"role": "user", "content": QUESTION}]
-    finals, events = [], []
-    for _ in range(3):
-        kwargs = dict(
-            model="gpt-5",
-            instructions=SYSTEM,
-            input=items,
-            tools=[RESPONSES_TOOL],
-            include=["reasoning.encrypted_content"],
-            store=False,
-        )
-        if stream:
-            with client.responses.stream(**kwargs) as s:
-                events.append([e.type for e in s])
-                final = s.get_final_response()
-        else:
-            final = client.responses.create(**kwargs)
-        finals.append(final)
-        assert final.model == "gpt-5" and final.status == "completed"
-        more, called = responses_next(final)  # as Codex
-        items = items + more
-        if not called:
-            break
+    events: list[list[str]] = []
+    finals = responses_loop(client, stream, events)
+    assert [f.model for f in finals] == ["gpt-5"] * len(finals)
 
     kinds = [[i.type for i in f.output] for f in finals]
     # turn 2 has no scripted thinking, but Qwen3 renders an empty think block: vLLM hands its
@@ -348,27 +383,8 @@ def test_messages_three_turn_tool_conversation(
     server = make_policy_server(SCENARIO, kind=upstream_kind)
     mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
     client = anthropic_client(mitm, api_key="polar-msg.2")
-    messages: list[dict] = [{"role": "user", "content": QUESTION}]
-    finals = []
-    for _ in range(3):
-        kwargs = dict(
-            model="claude-sonnet-4-5",
-            max_tokens=1024,
-            system=SYSTEM,
-            messages=messages,
-            tools=[ANTHROPIC_TOOL],
-        )
-        if stream:
-            with client.messages.stream(**kwargs) as s:
-                final = s.get_final_message()
-        else:
-            final = client.messages.create(**kwargs)
-        finals.append(final)
-        assert final.model == "claude-sonnet-4-5"
-        more, used = messages_next(final)
-        messages = messages + more
-        if not used:
-            break
+    finals = messages_loop(client, stream)
+    assert [f.model for f in finals] == ["claude-sonnet-4-5"] * len(finals)
 
     assert [f.stop_reason for f in finals] == ["tool_use", "tool_use", "end_turn"]
     assert [[b.type for b in f.content] for f in finals] == [

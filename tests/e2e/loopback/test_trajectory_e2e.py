@@ -5,41 +5,18 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 
 import httpx
 import pytest
 
 from polar_mitm.control import ControlClient, ControlError
 from polar_mitm.store import read_table
-from tests.helpers import TESTS
+from tests.helpers.capture_session import CHAT_URL, SCENARIO, SPAWN, chat, run_agent
 from tests.helpers.clients import RUN_SHELL, grep_bytes, http_client
 from tests.helpers.procs import start_policy_server
 from tests.helpers.waits import wait_until
 
-SCENARIO = TESTS / "scenarios" / "trajectories.json"
 TOKEN = "ctl-s3cret-token-4f9a1c"
-CHAT_URL = "https://api.openai.com/v1/chat/completions"
-SPAWN = {
-    "type": "function",
-    "function": {
-        "name": "spawn_agent",
-        "description": "Run a sub-agent on a task and return its answer.",
-        "parameters": {
-            "type": "object",
-            "properties": {"task": {"type": "string"}},
-            "required": ["task"],
-        },
-    },
-}
-OUTPUTS = {
-    "ls": "notes.txt",
-    "cat notes.txt": "alpha\nbeta\ngamma\n",
-    "wc -l notes.txt": "3 notes.txt",
-    "grep -n TODO notes.txt": "",
-    "head -1 notes.txt": "alpha",
-    "tail -1 notes.txt": "gamma",
-}
 
 
 @pytest.fixture(scope="module")
@@ -47,56 +24,6 @@ def server(tmp_path_factory):
     srv = start_policy_server(tmp_path_factory.mktemp("policy"), SCENARIO)
     yield srv
     srv.stop()
-
-
-def chat(
-    client: httpx.Client,
-    rollout: str,
-    messages: list[dict],
-    tools: list[dict] | None,
-    purpose: str | None = None,
-) -> dict:
-    body: dict = {"model": "gpt-4.1", "messages": messages}
-    if tools:
-        body["tools"] = tools
-    headers = {"authorization": f"Bearer polar-{rollout}"}
-    if purpose:
-        headers["x-polar-purpose"] = purpose
-    r = client.post(CHAT_URL, json=body, headers=headers)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]
-
-
-def run_agent(
-    client: httpx.Client,
-    rollout: str,
-    messages: list[dict],
-    tools: list[dict],
-    tool_output: Callable[[str, dict], str] | None = None,
-    max_turns: int = 10,
-) -> list[dict]:
-    """A careful harness: each reply goes back verbatim, reasoning included (vLLM reads
-    `reasoning`), so the chat template can re-render earlier turns as they were sampled."""
-    replies = []
-    for _ in range(max_turns):
-        reply = chat(client, rollout, messages, tools)
-        replies.append(reply)
-        assistant = {
-            "role": "assistant",
-            "content": reply.get("content"),
-            "reasoning": reply.get("reasoning"),
-        }
-        if reply.get("tool_calls"):
-            assistant["tool_calls"] = reply["tool_calls"]
-        messages.append(assistant)
-        for call in reply.get("tool_calls") or ():
-            args = json.loads(call["function"]["arguments"])
-            name = call["function"]["name"]
-            out = tool_output(name, args) if tool_output else OUTPUTS[args["cmd"]]
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": out})
-        if not reply.get("tool_calls"):
-            return replies
-    raise AssertionError("the agent did not finish")
 
 
 def stop_and_read(mitm) -> tuple[list[dict], list[dict]]:
