@@ -337,10 +337,13 @@ class GoogleGeminiRow(DialectRow):
     def _candidate(self, payload: Any) -> tuple[dict[str, Any], str]:
         """The one candidate of a `GenerateContentResponse`, and its visible text."""
         assert isinstance(payload, dict) and isinstance(payload.get("responseId"), str), payload
-        assert "token_ids" not in json.dumps(payload), payload
         candidates = payload["candidates"]
         assert isinstance(candidates, list) and len(candidates) == 1, payload
         candidate = candidates[0]
+        assert isinstance(candidate, dict), payload
+        # the engine's extras stripped (keys only: the model's text may say "token_ids")
+        usage = payload.get("usageMetadata") or {}
+        assert not any("token_ids" in k for k in (*payload, *candidate, *usage)), payload
         parts = candidate["content"]["parts"]
         assert candidate["content"]["role"] == "model" and isinstance(parts, list), payload
         text = [p["text"] for p in parts if "text" in p and not p.get("thought")]
