@@ -333,25 +333,35 @@ class SglangWire:
         for a in range(0, n, k):
             b = min(a + k, n)
             pending += b - a
-            delta = parser.feed("".join(sample.pieces[a:b]), sample.ids[a:b])
+            delta = parser.feed("".join(sample.pieces[a:b]), sample.ids[a:b]) or {}
             logprobs = {"content": entries[a:b]} if entries is not None else None
-            if not delta:
-                # A parser swallowed the text: its logprobs still go out, in an empty delta
-                # (serving_chat.py _generate_stream_content, "Flush logprobs still unattached").
-                if logprobs is not None:
-                    emit([choice({"reasoning_content": None}, logprobs)], pending)
-                    pending = 0
-                continue
-            if delta.get("tool_calls"):
-                calls = delta["tool_calls"]
+            # One step's text as SGLang sends it (serving_chat.py _generate_stream_content):
+            # its reasoning in a chunk with the step's logprobs; then, with tools (the tool-call
+            # parser's path), its text and each tool-call item in chunks of their own, as
+            # DeltaMessages without logprobs; without tools its text with the logprobs; and
+            # logprobs no chunk took flushed in an empty delta. A step of several tokens can
+            # so give several chunks.
+            steps: list[tuple[dict[str, Any], Any, dict[str, Any]]] = []
+            if delta.get("reasoning"):
+                steps.append(({"reasoning_content": delta["reasoning"]}, logprobs, {}))
+                logprobs = None
+            if call.parse_tools:
                 shaped = {"role": None, "content": None, "reasoning_content": None}
-                emit([choice({**shaped, "tool_calls": calls}, logprobs)], pending, usage=None)
-            else:
-                part: dict[str, Any] = {"reasoning_content": delta.get("reasoning")}
-                if delta.get("content") is not None:
-                    part["content"] = delta["content"]
-                emit([choice(part, logprobs)], pending)
-            pending = 0
+                if delta.get("content"):
+                    text = {**shaped, "content": delta["content"], "tool_calls": None}
+                    steps.append((text, None, {"usage": None}))
+                for item in delta.get("tool_calls") or ():
+                    steps.append(({**shaped, "tool_calls": [item]}, None, {"usage": None}))
+            elif delta.get("content"):
+                steps.append(
+                    ({"reasoning_content": None, "content": delta["content"]}, logprobs, {})
+                )
+                logprobs = None
+            if logprobs is not None:
+                steps.append(({"reasoning_content": None}, logprobs, {}))
+            for part, lps, extra in steps:
+                emit([choice(part, lps)], pending, **extra)
+                pending = 0
         info = self._finish_info(sample)
         finish = info["type"]
         if finish == "stop" and parser.tools_streamed:

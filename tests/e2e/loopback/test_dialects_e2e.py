@@ -582,6 +582,44 @@ def test_streaming_is_live(make_policy_server, make_mitm, upstream_kind, dialect
     assert row["status"] == "completed" and row["dialect"] == dialect and row["trainable"] is True
 
 
+def reply_parts(final: Any) -> list[tuple]:
+    """What a harness reads in a final Responses / Messages reply, without its random ids."""
+    if hasattr(final, "output"):
+        return [
+            (i.type, i.name, i.arguments)
+            if i.type == "function_call"
+            else (i.type, i.content[0].text)
+            for i in final.output
+        ]
+    return [
+        (b.type, b.name, b.input)
+        if b.type == "tool_use"
+        else (b.type, b.thinking if b.type == "thinking" else b.text)
+        for b in final.content
+    ]
+
+
+@pytest.mark.parametrize("dialect", ["openai_responses", "anthropic_messages"])
+def test_a_whole_reply_in_one_chunk(make_policy_server, make_mitm, upstream_kind, dialect):
+    """vLLM merges the deltas its HTTP side has not sent yet into one chunk
+    (``RequestOutputCollector.put``, vllm/v1/engine/output_processor.py): on a busy machine a
+    whole reply, thinking, text and tool call together, can come as one delta. The harness must
+    read the same replies, and the proxy record the same tokens, as from one token per chunk."""
+    seen = []
+    for chunk_tokens in ("1", "4096"):
+        server = make_policy_server(SCENARIO, "--chunk-tokens", chunk_tokens, kind=upstream_kind)
+        mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
+        key = f"polar-merged{chunk_tokens}.0"
+        if dialect == "openai_responses":
+            finals = responses_loop(openai_client(mitm, api_key=key), stream=True)
+        else:
+            finals = messages_loop(anthropic_client(mitm, api_key=key), stream=True)
+        rows = calls_of(mitm)
+        assert [r["status"] for r in rows] == ["completed"] * 3
+        seen.append(([reply_parts(f) for f in finals], [r["output_token_ids"] for r in rows]))
+    assert seen[0] == seen[1]
+
+
 def test_bad_requests_get_the_dialect_error(make_policy_server, make_mitm):
     server = make_policy_server(SCENARIO)
     mitm = make_mitm(server.url)
