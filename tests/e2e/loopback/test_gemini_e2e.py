@@ -65,14 +65,18 @@ def parts_of(responses: list[dict]) -> list[dict]:
     return [p for r in responses for p in r["candidates"][0]["content"]["parts"]]
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
-def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stream, upstream_kind):
+def turn_of(responses: list[dict]) -> tuple[str, str, list[dict]]:
+    """A model turn's thoughts, visible text and function calls."""
+    parts = parts_of(responses)
+    thought = "".join(p["text"] for p in parts if p.get("thought"))
+    text = "".join(p["text"] for p in parts if "text" in p and not p.get("thought"))
+    return thought, text, [p["functionCall"] for p in parts if "functionCall" in p]
+
+
+def tool_loop(mitm, stream: bool, key: str) -> list[list[dict]]:
     """The scripted tool loop as Gemini CLI runs it: each model turn sent back without its
     thought parts (their signature carries the thinking), each functionResponse with the call's
-    id. Every call's ids are exactly the server's for the chat the test writes out, and each
-    prompt extends the last one: one main chain."""
-    server = make_policy_server(SCENARIO, kind=upstream_kind)
-    mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
+    id. The responses of each turn."""
     contents: list[dict] = [{"role": "user", "parts": [{"text": QUESTION}]}]
     replies: list[list[dict]] = []
     with http_client(mitm) as client:
@@ -83,7 +87,7 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
                 "tools": [{"functionDeclarations": [DECLARATION]}],
                 "generationConfig": {"thinkingConfig": {"includeThoughts": True}},
             }
-            responses = generate(client, body, stream, "polar-gem.2")
+            responses = generate(client, body, stream, key)
             replies.append(responses)
             assert {r["modelVersion"] for r in responses} == {"gemini-2.5-pro"}
             assert responses[-1]["candidates"][0]["finishReason"] == "STOP"
@@ -110,13 +114,41 @@ def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stre
                     ],
                 }
             )
+    return replies
+
+
+def test_a_whole_reply_in_one_chunk(make_policy_server, make_mitm, upstream_kind):
+    """As the Responses and Messages test of it (test_dialects_e2e.py): a reply that comes in one
+    chunk (vLLM merges deltas while its HTTP side lags) reads as one that comes token by token:
+    the same thoughts, texts and calls (ids aside), and the same tokens recorded."""
+    seen = []
+    for chunk_tokens in ("1", "4096"):
+        server = make_policy_server(SCENARIO, "--chunk-tokens", chunk_tokens, kind=upstream_kind)
+        mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
+        replies = tool_loop(mitm, True, f"polar-merged{chunk_tokens}.0")
+        turns = [turn_of(responses) for responses in replies]
+        for _, _, calls in turns:  # their ids are new on every call
+            for call in calls:
+                call.pop("id")
+        rows = calls_of(mitm)
+        assert [r["status"] for r in rows] == ["completed"] * 3
+        seen.append((turns, [r["output_token_ids"] for r in rows]))
+    assert seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_three_turn_tool_conversation(make_policy_server, make_mitm, qwen3, stream, upstream_kind):
+    """The scripted tool loop (tool_loop). Every call's ids are exactly the server's for the chat
+    the test writes out, and each prompt extends the last one: one main chain."""
+    server = make_policy_server(SCENARIO, kind=upstream_kind)
+    mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
+    replies = tool_loop(mitm, stream, "polar-gem.2")
     turns = []
     for responses in replies:
-        parts = parts_of(responses)
-        thought = "".join(p["text"] for p in parts if p.get("thought"))
-        text = "".join(p["text"] for p in parts if "text" in p and not p.get("thought"))
-        calls = [p["functionCall"] for p in parts if "functionCall" in p]
-        [signature] = [p["thoughtSignature"] for p in parts if "thoughtSignature" in p]
+        thought, text, calls = turn_of(responses)
+        [signature] = [
+            p["thoughtSignature"] for p in parts_of(responses) if "thoughtSignature" in p
+        ]
         assert unseal(signature) == thought  # the thinking, sealed on the first part after it
         turns.append((thought, text, calls))
     assert [[c["args"] for c in calls] for _, _, calls in turns] == [
