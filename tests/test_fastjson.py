@@ -98,3 +98,18 @@ def test_an_upstream_body_with_prompt_ids_and_escapes_is_checked_for_lone_surrog
     lone = json.dumps({"prompt_token_ids": ids, "text": "\ud800"})
     with pytest.raises(ValueError, match="lone surrogate"):
         json_value(lone, "body")
+
+
+@pytest.mark.parametrize(
+    ("text", "lone"),
+    [
+        ('{"a": "\\ud83d\\ude00"}', False),  # a pair: an emoji
+        ('{"a": "\\\\ud800"}', False),  # an escaped backslash, then the letters
+        ('{"a": ["x", {"b": "\\ud800"}]}', True),  # nested in a list and a dict
+        ('{"\\udc00": 1}', True),  # in a key
+        ('{"a": "\\uDFFF x"}', True),  # upper-case escape
+        ('{"a": "plain"}', False),
+    ],
+)
+def test_lone_surrogates_walks_strings_and_keys(text, lone):
+    assert fastjson.lone_surrogates(text, json.loads(text)) is lone

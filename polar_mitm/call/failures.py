@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from array import array
 from collections.abc import Mapping
 from typing import Any
 
@@ -134,21 +133,9 @@ def json_value(data: str, what: str) -> Any:
     """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused.
     A top-level ``prompt_token_ids`` (vLLM's) comes back as the int32 array the record keeps."""
     value = fastjson.loads_ids(data)
-    # rare: only then look at the strings (no backslash at all, e.g. an id list: one memchr)
-    if "\\" in data and ("\\ud" in data or "\\uD" in data):
-        try:  # an int32 array of ids holds no text: written as null, never looked into
-            json.dumps(value, ensure_ascii=False, default=_no_text).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(
-                f"the {what} holds a lone surrogate escape: not valid Unicode"
-            ) from None
+    if fastjson.lone_surrogates(data, value):
+        raise ValueError(f"the {what} holds a lone surrogate escape: not valid Unicode")
     return value
-
-
-def _no_text(value: object) -> None:
-    """`json.dumps`'s fallback in the surrogate check: the ids array `loads_ids` makes."""
-    if not isinstance(value, array):
-        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def json_chunk(data: str) -> dict[str, Any]:

@@ -10,17 +10,12 @@ is one new module with one `Dialect` subclass, registered in `dialects/__init__.
 from __future__ import annotations
 
 import json
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from ..core import fastjson
-
-# A JSON escape of a UTF-16 surrogate. Paired ones (an emoji from an ASCII-only encoder) are fine;
-# a lone one decodes to a string that cannot be encoded as UTF-8, so no store or server can take it.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class DialectError(Exception):
@@ -132,15 +127,10 @@ def load_json_object(body: bytes) -> dict[str, Any]:
         raise DialectError(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise DialectError(f"request body must be a JSON object, not {type(data).__name__}")
-    if _SURROGATE_ESCAPE.search(text) is not None:  # rare: only then look at the strings
-        try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise DialectError(
-                "request body holds a lone surrogate escape (e.g. \\ud800): not valid Unicode text"
-            ) from None
-        except RecursionError:
-            raise DialectError("request body is nested too deeply") from None
+    if fastjson.lone_surrogates(text, data):
+        raise DialectError(
+            "request body holds a lone surrogate escape (e.g. \\ud800): not valid Unicode text"
+        )
     return data
 
 
