@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -599,25 +600,44 @@ def reply_parts(final: Any) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize("dialect", ["openai_responses", "anthropic_messages"])
-def test_a_whole_reply_in_one_chunk(make_policy_server, make_mitm, upstream_kind, dialect):
+def same_when_merged(
+    make_policy_server, make_mitm, upstream_kind: str, run: Callable[[Any, str], Any]
+) -> None:
     """vLLM merges the deltas its HTTP side has not sent yet into one chunk
     (``RequestOutputCollector.put``, vllm/v1/engine/output_processor.py): on a busy machine a
-    whole reply, thinking, text and tool call together, can come as one delta. The harness must
-    read the same replies, and the proxy record the same tokens, as from one token per chunk."""
-    seen = []
+    whole reply, thinking, text and tool call together, can come as one delta. `run(mitm, key)`
+    plays a harness's tool loop and returns what it read; that, and the tokens the proxy
+    recorded, must be the same from a server sending one token per chunk and from one sending
+    each reply whole (checked: its streams come in fewer chunks)."""
+    seen, events = [], []
     for chunk_tokens in ("1", "4096"):
         server = make_policy_server(SCENARIO, "--chunk-tokens", chunk_tokens, kind=upstream_kind)
         mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
-        key = f"polar-merged{chunk_tokens}.0"
+        read = run(mitm, f"polar-merged{chunk_tokens}.0")
+        rows = calls_of(mitm)
+        assert [r["status"] for r in rows] == ["completed"] * 3
+        seen.append((read, [r["output_token_ids"] for r in rows]))
+        # turn 2 (thinking, text and a tool call) asked again, straight: how many chunks
+        turn2 = upstream_chats(server.url)[1]
+        assert turn2.get("stream") is True, turn2
+        reply = httpx.post(server.url + "/v1/chat/completions", json=turn2, timeout=60).text
+        events.append(sum(line.startswith("data: ") for line in reply.splitlines()))
+    assert events[1] < events[0], events
+    assert seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("dialect", ["openai_responses", "anthropic_messages"])
+def test_a_whole_reply_in_one_chunk(make_policy_server, make_mitm, upstream_kind, dialect):
+    """same_when_merged, for the Responses and Messages harnesses."""
+
+    def run(mitm, key: str) -> list[list[tuple]]:
         if dialect == "openai_responses":
             finals = responses_loop(openai_client(mitm, api_key=key), stream=True)
         else:
             finals = messages_loop(anthropic_client(mitm, api_key=key), stream=True)
-        rows = calls_of(mitm)
-        assert [r["status"] for r in rows] == ["completed"] * 3
-        seen.append(([reply_parts(f) for f in finals], [r["output_token_ids"] for r in rows]))
-    assert seen[0] == seen[1]
+        return [reply_parts(f) for f in finals]
+
+    same_when_merged(make_policy_server, make_mitm, upstream_kind, run)
 
 
 def test_bad_requests_get_the_dialect_error(make_policy_server, make_mitm):

@@ -24,6 +24,7 @@ from tests.e2e.loopback.test_dialects_e2e import (
     check_prefix_merges,
     check_reasoning_rendered,
     check_rows,
+    same_when_merged,
 )
 from tests.helpers import TESTS
 from tests.helpers.broken_upstream import BrokenUpstream
@@ -118,22 +119,17 @@ def tool_loop(mitm, stream: bool, key: str) -> list[list[dict]]:
 
 
 def test_a_whole_reply_in_one_chunk(make_policy_server, make_mitm, upstream_kind):
-    """As the Responses and Messages test of it (test_dialects_e2e.py): a reply that comes in one
-    chunk (vLLM merges deltas while its HTTP side lags) reads as one that comes token by token:
-    the same thoughts, texts and calls (ids aside), and the same tokens recorded."""
-    seen = []
-    for chunk_tokens in ("1", "4096"):
-        server = make_policy_server(SCENARIO, "--chunk-tokens", chunk_tokens, kind=upstream_kind)
-        mitm = make_mitm(server.url, polar_upstream_kind=upstream_kind)
-        replies = tool_loop(mitm, True, f"polar-merged{chunk_tokens}.0")
-        turns = [turn_of(responses) for responses in replies]
-        for _, _, calls in turns:  # their ids are new on every call
+    """same_when_merged (test_dialects_e2e.py), for Gemini CLI's loop: the same thoughts, texts
+    and calls (their ids are new on every call)."""
+
+    def run(mitm, key: str) -> list[tuple[str, str, list[dict]]]:
+        turns = [turn_of(responses) for responses in tool_loop(mitm, True, key)]
+        for _, _, calls in turns:
             for call in calls:
                 call.pop("id")
-        rows = calls_of(mitm)
-        assert [r["status"] for r in rows] == ["completed"] * 3
-        seen.append((turns, [r["output_token_ids"] for r in rows]))
-    assert seen[0] == seen[1]
+        return turns
+
+    same_when_merged(make_policy_server, make_mitm, upstream_kind, run)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
