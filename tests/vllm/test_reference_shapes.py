@@ -72,6 +72,42 @@ def chunk_kind(chunk: dict) -> str:
     return kind + ("|finish" if choices[0].get("finish_reason") else "")
 
 
+def said(chunks: list[dict]) -> dict[str, Any]:
+    """What a stream says, whatever its chunking: its reasoning, text and tool calls, joined."""
+    out: dict[str, Any] = {"reasoning": "", "content": "", "text": "", "calls": {}}
+    for c in chunks:
+        for ch in c.get("choices") or ():
+            out["text"] += ch.get("text") or ""  # /v1/completions
+            delta = ch.get("delta") or {}
+            out["reasoning"] += delta.get("reasoning") or ""
+            out["content"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or ():
+                function = call.get("function") or {}
+                name, args = out["calls"].get(call["index"], ("", ""))
+                name += function.get("name") or ""
+                out["calls"][call["index"]] = (name, args + (function.get("arguments") or ""))
+    return out
+
+
+def read_stream(text: str) -> dict[str, Any]:
+    chunks = [json.loads(x[6:]) for x in text.splitlines() if x.startswith("data: {")]
+    kinds = [chunk_kind(c) for c in chunks]
+    return {
+        "kinds": kinds,
+        "counts": [
+            sum(len(ch.get("token_ids") or ()) for ch in c.get("choices") or ()) for c in chunks
+        ],
+        # one shape per kind of chunk: the same kind must look the same on both servers
+        "shapes": {k: shape(c) for k, c in zip(kinds, chunks, strict=True)},
+        "ids": (
+            next((c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")), None),
+            [i for c in chunks for ch in c.get("choices") or () for i in ch.get("token_ids") or ()],
+        ),
+        "said": said(chunks),
+        "done": text.rstrip().endswith("data: [DONE]"),
+    }
+
+
 def ask(url: str, path: str, body: Any) -> dict[str, Any]:
     if isinstance(body, bytes):
         r = httpx.post(
@@ -81,18 +117,7 @@ def ask(url: str, path: str, body: Any) -> dict[str, Any]:
         r = httpx.post(url + path, json={"model": SERVED_MODEL, **body}, timeout=120)
     out: dict[str, Any] = {"status": r.status_code, "type": r.headers.get("content-type")}
     if out["type"].startswith("text/event-stream"):
-        chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
-        out["kinds"] = [chunk_kind(c) for c in chunks]
-        out["counts"] = [
-            sum(len(ch.get("token_ids") or ()) for ch in c.get("choices") or ()) for c in chunks
-        ]
-        # one shape per kind of chunk: the same kind must look the same on both servers
-        out["shapes"] = {k: shape(c) for k, c in zip(out["kinds"], chunks, strict=True)}
-        out["ids"] = (
-            next((c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")), None),
-            [i for c in chunks for ch in c.get("choices") or () for i in ch.get("token_ids") or ()],
-        )
-        out["done"] = r.text.rstrip().endswith("data: [DONE]")
+        out |= read_stream(r.text)
     else:
         reply = r.json()
         out["shape"] = shape(reply)
@@ -142,9 +167,8 @@ def allow_merged_chunks(ref: dict, real: dict) -> tuple[dict, dict]:
     reference's; the shapes of the kinds both have stay compared."""
     if "counts" not in real or max(real["counts"], default=0) <= 1:
         return ref, real
-    chunks = [list(zip(o["kinds"], o["counts"], strict=True)) for o in (real, ref)]
     assert merges_into(ref, real), "vLLM merged chunks, but not the reference's: {} from {}".format(
-        *chunks
+        *(list(zip(o["kinds"], o["counts"], strict=True)) for o in (real, ref))
     )
     common = ref["shapes"].keys() & real["shapes"].keys()
 
