@@ -78,21 +78,33 @@ def test_reference_completions_answer_as_vllm_does():
 def test_the_reference_server_decodes_only_what_a_prompt_adds():
     """`Renderer.decode_prompt` reuses the text of an earlier prompt up to its last special
     token; whatever the split, the text is the whole prompt decoded at once (here with
-    multi-byte characters cut between ids in the new part)."""
+    multi-byte characters cut between ids in the new part). Sessions that share a long system
+    prompt, taking turns (bench.py --long's eight), each find their own earlier prompt: a later
+    call decodes only the ids its prompt adds."""
     renderer = Renderer(qwen3_tokenizer_dir())
-    system = "You are an agent. 日本語のテキスト ✓ " * 60  # longer than the 256 ids it is known by
-    messages = [{"role": "system", "content": system}]
-    prompts = []
-    for turn in range(4):
-        messages += [
-            {"role": "user", "content": f"turn {turn}: 🙂 naïve café 漢字 " * (turn + 1)},
-            {"role": "assistant", "content": f"reply {turn} ✓"},
-        ]
-        prompts.append(list(renderer.prompt(render_input({"messages": messages})).ids))
+    decoded: list[int] = []
+    whole = renderer.decode
+
+    def counting(ids):
+        decoded.append(len(ids))
+        return whole(ids)
+
+    renderer.decode = counting  # type: ignore[method-assign]
+    system = "You are an agent. 日本語のテキスト ✓ " * 60
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "go 🙂"}]
+    start = list(renderer.prompt(render_input({"messages": first})).ids)
+    sessions = [list(start) for _ in range(8)]  # each a token-in chain: earlier ids, then more
     emoji = renderer.encode_text("🙂🙂", add_special_tokens=False)
-    prompts.append(prompts[-1] + emoji[:1])  # ends inside a character
-    for prompt in prompts:
-        assert renderer.decode_prompt(prompt) == renderer.decode(prompt)
-    [entries] = renderer._texts.values()  # one conversation, its longest prompt first
-    assert [n for n, _, _ in entries] == sorted((n for n, _, _ in entries), reverse=True)
-    assert len(prompts[-3]) < entries[0][0] < len(prompts[-2])
+    for turn in range(4):
+        for n, prompt in enumerate(sessions):
+            before = len(prompt)
+            prompt += renderer.encode_text(
+                f"reply {turn} ✓<|im_end|>\n<|im_start|>user\nsession {n} turn {turn}: "
+                "🙂 naïve café 漢字<|im_end|>\n<|im_start|>assistant\n",
+                add_special_tokens=False,
+            )
+            for ids in (prompt, prompt + emoji[:1]):  # the second ends inside a character
+                decoded.clear()
+                assert renderer.decode_prompt(ids) == whole(ids)
+                if turn:  # only the new turn (and what follows the last special token)
+                    assert 0 < sum(decoded) <= len(ids) - before + 2, (n, turn)
