@@ -437,7 +437,8 @@ class CaptureAddon:
             if refused:
                 raise DialectError(refused)
             req = dialect.parse(body, path)
-            record.request_json = redacted_json(req.body, secrets)
+            # the body as the harness sent it (valid UTF-8: `parse` checked) unless a key is blanked
+            record.request_json = redacted_json(req.body, secrets, body.decode("utf-8"))
             return req
         except Exception as e:
             if isinstance(e, DialectError):
