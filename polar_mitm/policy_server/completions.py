@@ -25,8 +25,10 @@ import json
 import re
 import time
 import uuid
+from array import array
 from typing import Any, Protocol
 
+import numpy as np
 from aiohttp import web
 
 from ..tokens.conversation import RenderInput, RequestError
@@ -51,7 +53,7 @@ class TokenInHost(Protocol):
     wire: Wire
     control: Any  # server.Control: its ``stats`` counter
 
-    async def _body(self, request: web.Request) -> Any: ...
+    async def _body(self, request: web.Request, ids: str | None = None) -> Any: ...
 
     def _bad_request(self, e: RequestError) -> WireError: ...
 
@@ -105,15 +107,27 @@ class TokenInSample:
     """A scripted turn sampled after a prompt given as ids."""
 
     def __init__(
-        self, server: TokenInHost, prompt: list[int], max_tokens: int | None, *, ints: bool = False
+        self,
+        server: TokenInHost,
+        prompt: list[int] | array,
+        max_tokens: int | None,
+        *,
+        ints: bool = False,
     ):
-        """``ints``: every id is known to be an ``int`` already (`_prompt_ids` looked)."""
+        """``ints``: every id is known to be an ``int`` already (`_prompt_ids` looked). An int32
+        `array` (the body read by `fastjson.loads_ids`) is checked by numpy: a list's ``min``
+        and ``max`` over 50k ids were 1.4 ms of each call."""
         renderer = server.renderer
         if not prompt:
             raise RequestError("the prompt must not be empty", param="prompt")
         vocab = len(renderer.tokenizer)
-        ints = ints or set(map(type, prompt)) == {int}
-        if not ints or min(prompt) < 0 or max(prompt) >= vocab:
+        if isinstance(prompt, array):
+            values = np.frombuffer(prompt, dtype=np.int32)
+            low, high = int(values.min()), int(values.max())
+        else:
+            ints = ints or set(map(type, prompt)) == {int}
+            low, high = (min(prompt), max(prompt)) if ints else (-1, -1)
+        if low < 0 or high >= vocab:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         limit = token_limit(len(prompt), max_tokens, server.max_model_len, server.limits)
         text = renderer.decode_prompt(prompt)
@@ -149,8 +163,10 @@ def _turn_fields(turn: Turn) -> dict[str, Any]:
     return {"reasoning": turn.reasoning, "content": turn.content, "tool_calls": turn.tool_calls}
 
 
-def _prompt_ids(body: Any) -> list[int]:
+def _prompt_ids(body: Any) -> list[int] | array:
     prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, array):  # int32 ids, read so by `fastjson.loads_ids`
+        return prompt
     if not isinstance(prompt, list) or (prompt and set(map(type, prompt)) != {int}):
         raise RequestError(
             "the reference server's /v1/completions takes 'prompt' as a list of token ids",
@@ -199,7 +215,7 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
             "stop_reason": None,
             "token_ids": sample.ids if with_ids else None,
             "prompt_logprobs": None,
-            "prompt_token_ids": sample.prompt if with_ids else None,
+            "prompt_token_ids": list(sample.prompt) if with_ids else None,
             "routed_experts": None,
         }
         reply = {
@@ -231,7 +247,7 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
             "stop_reason": None,
             # set on every chunk, so `model_dump_json(exclude_unset=True)` writes them, null
             # unless return_token_ids asked (the prompt's ids on the first chunk only)
-            "prompt_token_ids": sample.prompt if with_ids and i == 0 else None,
+            "prompt_token_ids": list(sample.prompt) if with_ids and i == 0 else None,
             "token_ids": [sample.ids[i]] if with_ids else None,
         }
         if logprobs is not None:  # vLLM advances by the tokens reported (their names' lengths)
@@ -297,7 +313,7 @@ def generate_plan(body: dict[str, Any], sample: TokenInSample) -> ReplyPlan:
         ]
     reply: dict[str, Any] = {"text": "".join(sample.pieces), "output_ids": sample.ids}
     if body.get("return_prompt_token_ids"):
-        reply["prompt_token_ids"] = sample.prompt
+        reply["prompt_token_ids"] = list(sample.prompt)
     reply["meta_info"] = meta
     return ReplyPlan(200, "application/json", [_dumps(reply)], [len(sample.ids)], False)
 
@@ -306,7 +322,7 @@ def add_routes(app: web.Application, server: TokenInHost) -> None:
     """``/v1/completions`` for the vLLM kind, ``/generate`` for the SGLang kind."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        body = await server._body(request)
+        body = await server._body(request, ids="prompt")
         if not isinstance(body, dict):
             raise server._bad_request(RequestError("the body must be a JSON object"))
         server.check_model(body.get("model"))
