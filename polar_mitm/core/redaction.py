@@ -101,7 +101,8 @@ def has_secret_key(obj: Any) -> bool:
 
 
 def redacted_json(obj: Any, secrets: Iterable[str] = (), text: str | None = None) -> str:
-    """Compact JSON of `obj` with credential-named keys blanked and `secrets` scrubbed.
+    """JSON of `obj` with credential-named keys blanked and `secrets` scrubbed: `text` as it
+    came, where that is safe (below), else compact JSON written here.
 
     Requests run to hundreds of KB in long agent loops and almost never hold a credential key,
     so the tree is copied (`redact_obj`) only when `has_secret_key` finds one. `text`, the JSON

@@ -123,11 +123,11 @@ class TokenInSample:
         vocab = len(renderer.tokenizer)
         if isinstance(prompt, array):
             values = np.frombuffer(prompt, dtype=np.int32)
-            low, high = int(values.min()), int(values.max())
+            ints, low, high = True, int(values.min()), int(values.max())
         else:
             ints = ints or set(map(type, prompt)) == {int}
-            low, high = (min(prompt), max(prompt)) if ints else (-1, -1)
-        if low < 0 or high >= vocab:
+            low, high = (min(prompt), max(prompt)) if ints else (0, 0)
+        if not ints or low < 0 or high >= vocab:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         limit = token_limit(len(prompt), max_tokens, server.max_model_len, server.limits)
         text = renderer.decode_prompt(prompt)

@@ -151,10 +151,8 @@ class Renderer:
         self._max_token_chars: int | None = None
         # decode_prompt's earlier prompts: digest of their ids through a special token -> text
         self._texts: OrderedDict[bytes, str] = OrderedDict()
-        self._specials = frozenset(self.tokenizer.all_special_ids) | frozenset(
-            self.tokenizer.added_tokens_decoder
-        )
-        self._special_ids = np.array(sorted(self._specials), dtype=np.int32)
+        specials = set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
+        self._special_ids = np.array(sorted(specials), dtype=np.int32)
         # Fast tokenizers are not safe to drive from several threads at once (transformers may
         # reconfigure truncation/padding on the shared Rust object: "Already borrowed").
         self._lock = threading.RLock()
@@ -227,7 +225,8 @@ class Renderer:
         system prompt, a GRPO group's task) each find their own prompt, however many there are
         (keyed by the first ids alone, eight such sessions evicted each other's entries and every
         late call decoded its whole prompt: 33-80 ms at 57k ids under bench.py --long)."""
-        data = memoryview(array("i", ids).tobytes())
+        int32 = ids if isinstance(ids, array) and ids.itemsize == 4 else array("i", ids)
+        data = memoryview(int32).cast("B")  # no copy of a token-in body's array
         bounds = np.flatnonzero(np.isin(np.frombuffer(data, dtype=np.int32), self._special_ids))
         digest = hashlib.blake2b(digest_size=16)
         ends: list[tuple[int, bytes]] = []  # through each special token: (ids, digest)
