@@ -108,3 +108,20 @@ def test_the_reference_server_decodes_only_what_a_prompt_adds():
                 assert renderer.decode_prompt(ids) == whole(ids)
                 if turn:  # only the new turn (and what follows the last special token)
                     assert 0 < sum(decoded) <= len(ids) - before + 2, (n, turn)
+
+
+def test_the_reference_server_refuses_ids_that_are_no_tokens():
+    """Out of the vocabulary or not an int: a 400 naming the range, on either kind's endpoint
+    (vLLM's body is read as an int32 array, SGLang's as a list)."""
+    vocab = len(Renderer(qwen3_tokenizer_dir()).tokenizer)
+    [(s1, r1), (s2, r2)] = _serve("vllm")(
+        ("POST", "/v1/completions", {"prompt": [1, vocab], "max_tokens": 4}),
+        ("POST", "/v1/completions", {"prompt": [1, -2], "max_tokens": 4}),
+    )
+    [(s3, r3), (s4, r4)] = _serve("sglang")(
+        ("POST", "/generate", {"input_ids": [1, True], "sampling_params": {}}),
+        ("POST", "/generate", {"input_ids": [1, vocab], "sampling_params": {}}),
+    )
+    assert s1 == s2 == s3 == s4 == 400
+    for reply in (r1, r2, r3, r4):
+        assert f"must be integers in [0, {vocab})" in json.dumps(reply)

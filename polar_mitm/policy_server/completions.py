@@ -121,13 +121,8 @@ class TokenInSample:
         if not prompt:
             raise RequestError("the prompt must not be empty", param="prompt")
         vocab = len(renderer.tokenizer)
-        if isinstance(prompt, array):
-            values = np.frombuffer(prompt, dtype=np.int32)
-            ints, low, high = True, int(values.min()), int(values.max())
-        else:
-            ints = ints or set(map(type, prompt)) == {int}
-            low, high = (min(prompt), max(prompt)) if ints else (0, 0)
-        if not ints or low < 0 or high >= vocab:
+        bounds = _id_bounds(prompt, ints)
+        if bounds is None or bounds[0] < 0 or bounds[1] >= vocab:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         limit = token_limit(len(prompt), max_tokens, server.max_model_len, server.limits)
         text = renderer.decode_prompt(prompt)
@@ -363,3 +358,13 @@ def add_routes(app: web.Application, server: TokenInHost) -> None:
         app.router.add_post("/generate", generate)
     else:
         app.router.add_post("/v1/completions", completions)
+
+
+def _id_bounds(prompt: list[int] | array, ints: bool) -> tuple[int, int] | None:
+    """The smallest and largest id of a prompt; None when an id is not an ``int``."""
+    if isinstance(prompt, array):
+        values = np.frombuffer(prompt, dtype=np.int32)
+        return int(values.min()), int(values.max())
+    if not ints and set(map(type, prompt)) != {int}:
+        return None
+    return min(prompt), max(prompt)
