@@ -34,8 +34,12 @@ SERVED_MODEL = "Qwen/Qwen3-4B"
 READY_DEADLINE_S = 600.0
 SCRIPT_DIR = Path(__file__).resolve().parent
 # The set-up's flags (DESIGN facts: the Qwen3 reasoning parser, hermes tool calls, eager mode).
+# float32, not the stored bfloat16: without AVX-512 BF16 vLLM's oneDNN matmul fails and torch's
+# bf16 fallback is slow (scripts/vllm_tiny_model.py has the figures).
 SERVER_FLAGS = (
     "--enforce-eager",
+    "--dtype",
+    "float32",
     "--reasoning-parser",
     "qwen3",
     "--enable-auto-tool-choice",
