@@ -17,6 +17,7 @@ import pytest
 from polar_mitm.call.token_in import TokenInReply
 from polar_mitm.dialects.assemble import ChatAssembler
 from polar_mitm.output_parsers import FAMILIES, family
+from polar_mitm.output_parsers.hermes_stream import is_complete_json
 from polar_mitm.policy_server.render import Renderer, RenderInput
 from polar_mitm.policy_server.scenario import ToolCallSpec, Turn
 from polar_mitm.tokens.tokenizer import load_tokenizer
@@ -180,9 +181,8 @@ def test_a_token_in_reply_names_its_tokens_by_id(sampled):
 
 
 def test_complete_json_check_is_json_loads():
-    """`_is_complete_json` (its shortcut for an open object or array) answers as `json.loads`
+    """`is_complete_json` (its shortcut for an open object or array) answers as `json.loads`
     does, on every prefix of tool-call bodies, with and without whitespace around them."""
-    from polar_mitm.output_parsers.qwen3 import _is_complete_json
 
     def loads_ok(text: str) -> bool:
         try:
@@ -204,4 +204,4 @@ def test_complete_json_check_is_json_loads():
     for body in bodies:
         for end in range(len(body) + 1):
             for text in (body[:end], body[:end].strip(), body[:end] + " \n"):
-                assert _is_complete_json(text) == loads_ok(text), repr(text)
+                assert is_complete_json(text) == loads_ok(text), repr(text)

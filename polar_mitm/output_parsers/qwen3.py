@@ -13,8 +13,9 @@ the first region is the content, ``None`` when it is only whitespace. A region t
 leaves the whole content as text.
 
 Streaming (:class:`StreamParser`): deltas before ``</think>`` go to the reasoning field; in the chunk
-that carries ``</think>`` the rest of the chunk is re-fed to the tool parser. The hermes streaming parser
-re-parses the accumulated content each time and sends only what is new: plain content up to (not
+that carries ``</think>`` the rest of the chunk is re-fed to the tool parser. vLLM's hermes streaming
+parser re-parses the accumulated content each time and sends only what is new (``hermes_stream.py``
+sends the same but reads each character once): plain content up to (not
 including) a possible ``<tool_call>`` prefix; for each tool call first ``{index, id, type, function:
 {name}}`` once the name is complete, then ``{index, function: {arguments}}`` fragments of the raw
 arguments text (brace-matched, so the outer ``}`` of the call object is never sent).
@@ -28,28 +29,19 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .base import Family
+from .hermes_stream import TOOL_START, HermesStream, make_tool_call_id
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-TOOL_START = "<tool_call>"
-TOOL_END = "</tool_call>"
 
 _TOOL_REGION = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-_TOOL_NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
-_TOOL_ARGS = re.compile(r'"arguments"\s*:\s*')
 
 Delta = dict[str, Any]
-
-
-def make_tool_call_id() -> str:
-    """vLLM's default tool-call id (``chatcmpl-tool-`` + a random uuid4 hex)."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
@@ -122,139 +114,6 @@ def parse_output(
     return ParsedOutput(reasoning=reasoning_text, content=content, tool_calls=calls)
 
 
-def _partial_tag_overlap(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-_CLOSING = {"{": "}", "[": "]"}
-
-
-def _is_complete_json(text: str) -> bool:
-    """Whether `json.loads` takes `text` (a tool call's body so far). Asked on every streamed
-    token of a tool call, where the answer is no until its last: a text that opens an object or
-    array and ends with a character that is neither its closing bracket nor whitespace is not
-    JSON (a document's last character is one of those), and is answered without `json.loads`
-    raising and building its error."""
-    close = _CLOSING.get(text[:1])
-    if close is not None and text[-1:] != close and not text[-1:].isspace():
-        return False
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _tool_args(tc_json: str, is_complete: bool) -> str | None:
-    """The raw ``arguments`` value inside a (possibly partial) tool-call JSON, brace-matched."""
-    match = _TOOL_ARGS.search(tc_json)
-    if not match:
-        return None
-    raw = tc_json[match.end() :]
-    if not raw or raw[0] not in "{[":
-        if is_complete:
-            raw = raw.rstrip()
-            if raw.endswith("}"):
-                raw = raw[:-1].rstrip()
-        return raw
-    open_ch, close_ch = raw[0], "}" if raw[0] == "{" else "]"
-    depth, in_str, esc = 0, False, False
-    for i, c in enumerate(raw):
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-            continue
-        if c == '"':
-            in_str = True
-        elif c == open_ch:
-            depth += 1
-        elif c == close_ch:
-            depth -= 1
-            if depth == 0:
-                return raw[: i + 1]
-    return raw
-
-
-@dataclass
-class _HermesStream:
-    sent_content: int = 0
-    names: list[str | None] = field(default_factory=list)
-    sent_args: list[str] = field(default_factory=list)
-
-    def _content(self, text: str) -> str | None:
-        if TOOL_START in text:
-            sendable = text.index(TOOL_START)
-        else:
-            sendable = len(text) - _partial_tag_overlap(text, TOOL_START)
-        if sendable > self.sent_content:
-            out = text[self.sent_content : sendable]
-            self.sent_content = sendable
-            return out
-        return None
-
-    @staticmethod
-    def _regions(text: str) -> list[tuple[str, bool]]:
-        regions, pos = [], 0
-        while True:
-            start = text.find(TOOL_START, pos)
-            if start == -1:
-                return regions
-            body_start = start + len(TOOL_START)
-            end = text.find(TOOL_END, body_start)
-            if end != -1:
-                regions.append((text[body_start:end].strip(), True))
-                pos = end + len(TOOL_END)
-                continue
-            raw = text[body_start:]
-            overlap = _partial_tag_overlap(raw, TOOL_END)
-            if overlap:
-                raw = raw[:-overlap]
-            body = raw.strip()
-            regions.append((body, _is_complete_json(body) if body else False))
-            return regions
-
-    def feed(self, current_text: str) -> Delta | None:
-        content = self._content(current_text)
-        calls: list[dict[str, Any]] = []
-        for i, (body, complete) in enumerate(self._regions(current_text)):
-            if i >= len(self.names):
-                self.names.append(None)
-                self.sent_args.append("")
-            if self.names[i] is None:
-                match = _TOOL_NAME.search(body)
-                if not match:
-                    break  # tool i+1 cannot start before tool i has its name
-                self.names[i] = match.group(1)
-                calls.append(
-                    {
-                        "id": make_tool_call_id(),
-                        "type": "function",
-                        "index": i,
-                        "function": {"name": match.group(1)},
-                    }
-                )
-            args = _tool_args(body, complete)
-            if args is not None and len(args) > len(self.sent_args[i]):
-                calls.append(
-                    {"index": i, "function": {"arguments": args[len(self.sent_args[i]) :]}}
-                )
-                self.sent_args[i] = args
-        if content or calls:
-            delta: Delta = {"content": content}
-            if calls:
-                delta["tool_calls"] = calls
-            return delta
-        return None
-
-
 class StreamParser:
     """Turns one stream's chunks (text + token ids) into vLLM's deltas, one call per chunk."""
 
@@ -273,7 +132,7 @@ class StreamParser:
         self._end_id = think_end_id
         self._reasoning = reasoning and think_end_id is not None
         self._reasoning_ended = not self._reasoning or reasoning_open is False
-        self._tools = _HermesStream() if parse_tools else None
+        self._tools = HermesStream() if parse_tools else None
         self._tool_text_started = False
         self._text = ""
         self.tools_streamed = False
