@@ -276,6 +276,7 @@ def start_proxy(
         "BENCH_UPSTREAM": upstream,
         "BENCH_STREAM": "1" if column.startswith(("mitm-stream", "capture-floor")) else "0",
         "BENCH_CAPTURE": "1" if column.startswith("capture-floor") else "0",
+        "BENCH_GATEWAY": "1" if column.startswith("mitm-gateway") else "0",
     }
     return Child(args, tmp / f"{name or column}.log", ready, env=env, wait=wait), port
 

@@ -10,11 +10,22 @@ The request's rewrite and every event are decoded with msgspec, the fastest JSON
 and the one polar-mitm uses (`polar_mitm/core/fastjson.py`): a floor the stdlib's `json` would raise
 (it decodes a 60k-id first chunk about twice as slowly).
 
+With BENCH_GATEWAY=1 instead, the least a proxy built like polar-mitm must do: send each call
+through an in-process loopback gateway (polar-mitm's own `call/gateway.py`) that makes the upstream
+request itself and streams the reply back through mitmproxy, chunk by chunk, bytes unchanged. That
+hop is what lets polar-mitm answer a refused or reset upstream in the harness's dialect (mitmproxy
+would send an HTML 502 or cut the socket) and hold a reply's end until its record is durable (a
+`flow.response.stream` callable cannot wait); this column prices the hop alone: nothing decoded,
+asked for or written.
+
 (map_remote + stream_large_bodies cannot be the floor: with request streaming on, the server
 connection opens at requestheaders time, before map_remote rewrites the URL in `request`.)
 """
 
+import itertools
 import os
+import sys
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import msgspec
@@ -32,6 +43,60 @@ def requestheaders(flow: http.HTTPFlow) -> None:
         flow.request.scheme = "http"
         flow.request.host = _UP.hostname
         flow.request.port = _UP.port
+
+
+class _Relay:
+    """A call for the gateway that only relays: the request as the harness sent it (rerouted),
+    the reply's bytes as the server sent them."""
+
+    def __init__(self, flow: http.HTTPFlow) -> None:
+        self.url = flow.request.url
+        self.body = flow.request.content or b""
+        self.headers = {"Content-Type": flow.request.headers.get("content-type", "")}
+
+    async def run(self, out, session) -> None:  # noqa: ANN001 (gateway's Output, aiohttp session)
+        async with session.post(self.url, data=self.body, headers=self.headers) as reply:
+            await out.start(reply.status, reply.headers.get("Content-Type", ""))
+            async for chunk in reply.content.iter_any():
+                await out.write(chunk)
+        await out.end(b"")
+
+
+class _GatewayFloor:
+    """BENCH_GATEWAY's hooks, an addon of their own so that the other columns keep a plain
+    synchronous `request` hook."""
+
+    def __init__(self) -> None:
+        # Imported here, so that the other columns' processes load nothing of polar-mitm.
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's
+        from polar_mitm.call.gateway import PATH_PREFIX, Gateway
+
+        self.gateway = Gateway()
+        self.path_prefix = PATH_PREFIX
+        self.call_ids = itertools.count()
+
+    async def running(self) -> None:
+        await self.gateway.start(connect_timeout=10, stall_timeout=600)
+
+    async def done(self) -> None:
+        await self.gateway.stop()
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.request.host != _UP.hostname or flow.response is not None:
+            return
+        gateway = self.gateway
+        await gateway.ready.wait()  # mitmdump says it listens before the scripts' `running`
+        call_id = str(next(self.call_ids))
+        gateway.calls[call_id] = _Relay(flow)  # type: ignore[assignment]
+        flow.request.host = "127.0.0.1"
+        flow.request.port = gateway.port
+        flow.request.path = self.path_prefix + call_id
+        flow.request.headers = http.Headers(host=f"127.0.0.1:{gateway.port}", content_length="0")
+        flow.request.content = b""
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            flow.response.stream = True
 
 
 def request(flow: http.HTTPFlow) -> None:
@@ -75,3 +140,6 @@ def responseheaders(flow: http.HTTPFlow) -> None:
         flow.response.stream = _ReadIds()
     elif _STREAM:
         flow.response.stream = True
+
+
+addons = [_GatewayFloor()] if os.environ.get("BENCH_GATEWAY") == "1" else []

@@ -9,7 +9,9 @@
 Each tree's polar-mitm proxy in exact-prefix mode (`--chat`: in chat mode too; `--stream`: plain
 mitm-stream beside them) runs the long sessions of scripts/bench_long.py at once, the columns
 taking turns each turn in a rotating order (`bench_long.run_load`), so that a shared machine's
-load moves them alike: the way to see a change of a few tenths of a millisecond per call. Prints
+load moves them alike: the way to see a change of a few tenths of a millisecond per call.
+`--gateway` adds mitm-stream sent through polar-mitm's loopback gateway, nothing else
+(scripts/bench_floor.py, BENCH_GATEWAY): the floor of a proxy built as polar-mitm is. Prints
 per column the calls, the late-turn latency p50, the proxy's CPU per call and peak RSS, and the
 CPU seconds of each of its threads over the load (thread ids in start order: the event loop
 first; the exact-prefix worker, the journal, the checks after it).
@@ -61,6 +63,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--chat", action="store_true", help="each tree in chat mode too")
     ap.add_argument("--stream", action="store_true", help="a mitm-stream column too")
+    ap.add_argument(
+        "--gateway",
+        action="store_true",
+        help="a mitm-gateway column too: mitm-stream through polar-mitm's loopback gateway",
+    )
     args = ap.parse_args()
     from polar_mitm.certs import ensure_ca
 
@@ -84,9 +91,11 @@ def main() -> None:
                     columns.append((f"polar-mitm-{name}", path, "polar-mitm"))
             if args.stream:
                 columns.append(("mitm-stream", str(root), None))
+            if args.gateway:
+                columns.append(("mitm-gateway", str(root), None))
             for column, path, options in columns:
                 bench.ROOT = Path(path).resolve()  # start_proxy runs that tree's addon
-                kind = "polar-mitm" if options else "mitm-stream"
+                kind = "polar-mitm" if options else column
                 opts = bench_long.column_options(options) if options else None
                 name = column.replace("+", "-")
                 child, port = bench.start_proxy(tmp, kind, url, confdir, name, opts, wait=False)
