@@ -137,3 +137,31 @@ def test_bench_exact_long_smoke():
     figures = dict(line.split() for line in proc.stdout.splitlines() if line.startswith("long_"))
     assert float(figures["long_last_plan_ms"]) > 0
     assert float(figures["long_last_encode_ms"]) > 0
+
+
+def test_bench_long_ab_gateway_smoke():
+    """scripts/bench_long_ab.py with its mitm-stream and mitm-gateway columns (the latter:
+    scripts/bench_floor.py's BENCH_GATEWAY, calls through polar-mitm's loopback gateway)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_long_ab.py"),
+            "--tree",
+            f"new={ROOT}",
+            "--stream",
+            "--gateway",
+            "--sessions",
+            "1",
+            "--turns",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if " calls " in line}
+    for column in ("polar-mitm+exact-new", "mitm-stream", "mitm-gateway"):
+        assert rows[column][1:3] == ["calls", "2"], proc.stdout
+    assert "ms/call" in " ".join(rows["mitm-gateway"]), proc.stdout
