@@ -9,26 +9,31 @@ import sys
 from tests.helpers import ROOT
 
 
-def test_bench_smoke(tmp_path):
-    out = tmp_path / "bench.json"
+def run_script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """scripts/NAME with ARGS, from the checkout's root; it must exit 0."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench.py"),
-            "--quick",
-            "--smoke",
-            "--variant",
-            "nohold:polar_durable_replies=false",
-            "--json",
-            str(out),
-            "--markdown",
-        ],
+        [sys.executable, str(ROOT / "scripts" / name), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_script(
+        "bench.py",
+        "--quick",
+        "--smoke",
+        "--variant",
+        "nohold:polar_durable_replies=false",
+        "--json",
+        str(out),
+        "--markdown",
+    )
     results = json.loads(out.read_text())
     for column in ("direct", "mitm-stream", "mitm-buffered", "polar-mitm", "capture-floor"):
         col = results["columns"][column]
@@ -59,22 +64,14 @@ def test_bench_smoke(tmp_path):
 def test_bench_long_smoke(tmp_path):
     """The long-session load (`--long`): 2 sessions x 4 turns, 8 open rollouts."""
     out = tmp_path / "long.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench.py"),
-            "--long",
-            "--smoke",
-            "--no-vllm",  # its real-vLLM column has its own test (tests/vllm/test_bench_vllm.py)
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
+    proc = run_script(
+        "bench.py",
+        "--long",
+        "--smoke",
+        "--no-vllm",  # its real-vLLM column has its own test (tests/vllm/test_bench_vllm.py)
+        "--json",
+        str(out),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())
     cols = results["columns"]
     for column in ("direct", "mitm-stream", "capture-floor", "polar-mitm", "polar-mitm+exact"):
@@ -126,14 +123,7 @@ def test_profile_parts_name_real_functions():
 
 def test_bench_exact_long_smoke():
     """scripts/bench_exact.py --long (exact-prefix's hot path on bench.py --long's sessions)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_exact.py"), "--long", "--turns", "3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script("bench_exact.py", "--long", "--turns", "3", timeout=300)
     figures = dict(line.split() for line in proc.stdout.splitlines() if line.startswith("long_"))
     assert float(figures["long_last_plan_ms"]) > 0
     assert float(figures["long_last_encode_ms"]) > 0
@@ -142,25 +132,8 @@ def test_bench_exact_long_smoke():
 def test_bench_long_ab_gateway_smoke():
     """scripts/bench_long_ab.py with its mitm-stream and mitm-gateway columns (the latter:
     scripts/bench_floor.py's BENCH_GATEWAY, calls through polar-mitm's loopback gateway)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_long_ab.py"),
-            "--tree",
-            f"new={ROOT}",
-            "--stream",
-            "--gateway",
-            "--sessions",
-            "1",
-            "--turns",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = ("--tree", f"new={ROOT}", "--stream", "--gateway", "--sessions", "1", "--turns", "2")
+    proc = run_script("bench_long_ab.py", *args)
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if " calls " in line}
     for column in ("polar-mitm+exact-new", "mitm-stream", "mitm-gateway"):
         assert rows[column][1:3] == ["calls", "2"], proc.stdout
