@@ -26,6 +26,7 @@ import itertools
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import msgspec
@@ -49,7 +50,8 @@ class _Relay:
     """A call for the gateway that only relays: the request as the harness sent it (rerouted),
     the reply's bytes as the server sent them."""
 
-    def __init__(self, flow: http.HTTPFlow) -> None:
+    def __init__(self, flow: http.HTTPFlow, call_id: str) -> None:
+        self.record = SimpleNamespace(call_id=call_id)  # all the gateway reads of a call's record
         self.url = flow.request.url
         self.body = flow.request.content or b""
         self.headers = {"Content-Type": flow.request.headers.get("content-type", "")}
@@ -69,10 +71,9 @@ class _GatewayFloor:
     def __init__(self) -> None:
         # Imported here, so that the other columns' processes load nothing of polar-mitm.
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's
-        from polar_mitm.call.gateway import PATH_PREFIX, Gateway
+        from polar_mitm.call.gateway import Gateway
 
         self.gateway = Gateway()
-        self.path_prefix = PATH_PREFIX
         self.call_ids = itertools.count()
 
     async def running(self) -> None:
@@ -84,15 +85,9 @@ class _GatewayFloor:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.request.host != _UP.hostname or flow.response is not None:
             return
-        gateway = self.gateway
-        await gateway.ready.wait()  # mitmdump says it listens before the scripts' `running`
-        call_id = str(next(self.call_ids))
-        gateway.calls[call_id] = _Relay(flow)  # type: ignore[assignment]
-        flow.request.host = "127.0.0.1"
-        flow.request.port = gateway.port
-        flow.request.path = self.path_prefix + call_id
-        flow.request.headers = http.Headers(host=f"127.0.0.1:{gateway.port}", content_length="0")
-        flow.request.content = b""
+        await self.gateway.ready.wait()  # mitmdump says it listens before the scripts' `running`
+        relay = _Relay(flow, str(next(self.call_ids)))
+        self.gateway.route(flow, relay)  # type: ignore[arg-type]
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:

@@ -14,7 +14,8 @@ load moves them alike: the way to see a change of a few tenths of a millisecond 
 (scripts/bench_floor.py, BENCH_GATEWAY): the floor of a proxy built as polar-mitm is. Prints
 per column the calls, the late-turn latency p50, the proxy's CPU per call and peak RSS, and the
 CPU seconds of each of its threads over the load (thread ids in start order: the event loop
-first; the exact-prefix worker, the journal, the checks after it).
+first, then polar-mitm's `polar-store-journal`, `polar-store-shards`, `polar-exact_0` and
+`polar-fidelity_0`, as `py-spy dump --pid PID` names them).
 """
 
 from __future__ import annotations

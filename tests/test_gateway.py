@@ -156,3 +156,26 @@ def test_a_slow_reader_holds_the_writer_back() -> None:
         assert total == chunks * len(piece) and call.done.is_set() and not call.gone
 
     _run(test)
+
+
+def test_route_points_a_flow_at_the_gateway_with_no_body() -> None:
+    """`route` registers the call and rewrites the flow the way the gateway serves it: its path
+    names the call, and the harness's body stays behind (the gateway refuses one)."""
+    from mitmproxy.test import tflow
+
+    async def test(gateway, reader, writer) -> None:
+        flow = tflow.tflow()
+        flow.request.url = "https://api.openai.com/v1/chat/completions"
+        flow.request.content = b'{"messages": []}'
+        gateway.route(flow, FakeCall("r1", [("start", None), ("end", b"data: [DONE]\n\n")]))
+        assert gateway.calls["r1"].record.call_id == "r1"
+        assert flow.request.url == f"http://127.0.0.1:{gateway.port}{PATH_PREFIX}r1"
+        assert flow.request.method == "POST" and flow.request.content == b""
+        assert dict(flow.request.headers) == {
+            "host": f"127.0.0.1:{gateway.port}",
+            "content-length": "0",
+        }
+        head, body = await _request(reader, writer, "r1")  # what mitmproxy then sends
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body.startswith(b"data: [DONE]\n\n")
+
+    _run(test)

@@ -387,7 +387,8 @@ class CaptureAddon:
         self.live[record.call_id] = call
         if self.control is not None:
             self.control.call_started(record.call_id, record.rollout_id)
-        self._to_gateway(flow, call)
+        flow.metadata["polar_call"] = call.record.call_id
+        self.gateway.route(flow, call)
 
     def _new_record(
         self, flow: http.HTTPFlow, dialect: Dialect, path: str, secrets: list[str]
@@ -487,21 +488,6 @@ class CaptureAddon:
             settings.harness_constraints = self.constraints.mode
             settings.think_markers = self.constraints.markers
         return settings
-
-    def _to_gateway(self, flow: http.HTTPFlow, call: Call) -> None:
-        """Point the flow at the in-process gateway, which runs the call and streams its reply."""
-        gateway_path = self.gateway.register(call)
-        assert self.gateway.port is not None
-        flow.metadata["polar_call"] = call.record.call_id
-        flow.request.scheme = "http"
-        flow.request.host = "127.0.0.1"
-        flow.request.port = self.gateway.port
-        flow.request.path = gateway_path
-        flow.request.method = "POST"
-        flow.request.headers = http.Headers(
-            host=f"127.0.0.1:{self.gateway.port}", content_length="0"
-        )
-        flow.request.content = b""
 
     def _refuse(
         self, flow: http.HTTPFlow, dialect: Dialect, record: CallRecord, e: DialectError

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Mapping
 
 import aiohttp
+from mitmproxy.http import Headers, HTTPFlow
 
 from .exchange import Call, ClientGone
 
@@ -275,6 +276,18 @@ class Gateway:
         """The path mitmproxy should request to run this call."""
         self.calls[call.record.call_id] = call
         return PATH_PREFIX + call.record.call_id
+
+    def route(self, flow: HTTPFlow, call: Call) -> None:
+        """Register `call` and point `flow` at this gateway, which runs it and streams its reply.
+        The request goes with no body: the call already holds what it sends upstream."""
+        assert self.port is not None
+        flow.request.scheme = "http"
+        flow.request.host = "127.0.0.1"
+        flow.request.port = self.port
+        flow.request.path = self.register(call)
+        flow.request.method = "POST"
+        flow.request.headers = Headers(host=f"127.0.0.1:{self.port}", content_length="0")
+        flow.request.content = b""
 
     def drop(self, call_id: str) -> Call | None:
         return self.calls.pop(call_id, None)
