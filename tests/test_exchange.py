@@ -12,13 +12,13 @@ import json
 import threading
 
 import aiohttp
+from polar_reference import PolicyServer, ServerConfig
+from polar_reference.scenario import load_scenario
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.call.exchange import Call, UpstreamSettings
 from polar_mitm.core.record import CallRecord
 from polar_mitm.dialects.openai_chat import OpenAIChat
-from polar_mitm.policy_server import PolicyServer, ServerConfig
-from polar_mitm.policy_server.scenario import load_scenario
 from polar_mitm.tokens.retokenize import RetokenizeJob, Retokenizer, RetokenizeResult
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.upstream.sglang import SGLang

@@ -1,4 +1,4 @@
-"""scripts/check_harness_releases.py against an `npm` that answers from a table: the real script,
+"""tests/e2e/npm/check_releases.py against an `npm` that answers from a table: the real script,
 run as CI would run it, without the registry (the registry's answers are the one thing faked)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-SCRIPT = ROOT / "scripts" / "check_harness_releases.py"
+SCRIPT = ROOT / "tests" / "e2e" / "npm" / "check_releases.py"
 PINS = json.loads((ROOT / "tests" / "e2e" / "npm" / "package.json").read_text())["dependencies"]
 NODE = json.loads((ROOT / "tests" / "e2e" / "npm" / "node" / "package.json").read_text())[
     "dependencies"

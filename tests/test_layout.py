@@ -1,22 +1,29 @@
-"""The house rules of `polar_mitm/` (issue 22), checked by parsing every module's imports.
+"""The house rules of `polar_mitm/` (issue 22) and of the repository around it (issue 45), checked
+by parsing every module's imports.
 
 Imports point down the data path: no import cycles (deferred and type-only imports count: a cycle
 tied by a function-level import is still two modules that cannot be read apart); the CLI reads
 the store and never pulls in the proxy's live modules; `call/` and everything else below the
-addons never import `addons/`; nothing but the CLI imports the CLI (the live proxy least of all),
-nor anything but the reference policy server that server; the store and the upstream modules
-are floors that import nothing of the package above them; `store/delta.py` imports nothing of it
-at all (scripts/train_check.py loads it by path in a venv without polar-mitm). And the package is
-a house of floors (`FLOOR_ORDER`), every import pointing down or level: the shared vocabulary
-(`core/`: the record, redaction, SSE framing, the hot path's JSON) on the ground floor, the CLI and
-the reference policy server at the top. Parsing, not importing, so the test is fast and sees the
-lazy imports too.
+addons never import `addons/`; nothing but the CLI imports the CLI (the live proxy least of all);
+the store and the upstream modules are floors that import nothing of the package above them;
+`store/delta.py` imports nothing of it at all (examples/trainer_checks/train_check.py loads it by
+path in a venv without polar-mitm). And the package is a house of floors (`FLOOR_ORDER`), every
+import pointing down or level: the shared vocabulary (`core/`: the record, redaction, SSE framing,
+the hot path's JSON) on the ground floor, the CLI at the top. Parsing, not importing, so the test
+is fast and sees the lazy imports too.
+
+The repository around the package keeps the same rules one level up (`REPO_ORDER`): no cycle
+anywhere (the reference server, the benchmarks, the examples, the scripts and the tests included);
+the product imports nothing beside it; the reference policy server (`reference/polar_reference`)
+stands on the product alone, the benchmarks (`polar_bench`) on the product and the reference
+server; and `scripts/` holds shell entry points only.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -36,8 +43,8 @@ LIVE = (
 
 
 # Packages imported by their own modules only: the CLI is the top floor (it reads the shards; the
-# live proxy must not load it), and the reference policy server is a tool of its own.
-PRIVATE = ("polar_mitm.cli", "polar_mitm.policy_server")
+# live proxy must not load it).
+PRIVATE = ("polar_mitm.cli",)
 # Floors: packages that import nothing of polar_mitm outside themselves (the package root, for its
 # version, aside): the store is what every reader needs without the proxy, and an upstream module
 # knows one server's wire, nothing of the proxy.
@@ -65,10 +72,11 @@ FLOOR_ORDER: tuple[tuple[str, ...], ...] = (
     ("polar_mitm.metrics", "polar_mitm.control", "polar_mitm.tokenizer_record"),
     ("polar_mitm.export", "polar_mitm.nemo_gym"),
     ("polar_mitm.addons",),  # the mitmproxy addons, composed by addons/polar.py
-    ("polar_mitm.cli", "polar_mitm.policy_server"),  # the top floor
+    ("polar_mitm.cli",),  # the top floor
 )
 # Modules loaded by path where polar_mitm is not installed: no import of the package at all, and
-# of other distributions only these (scripts/train_check.py's trainer venv has numpy, pyarrow).
+# of other distributions only these (examples/trainer_checks/train_check.py's trainer venv has
+# numpy, pyarrow).
 STANDALONE = {"polar_mitm.store.delta": {"numpy", "pyarrow"}}
 
 
@@ -82,14 +90,19 @@ def modules(root: Path) -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the polar_mitm modules it imports (anywhere in the file; `from a import b`
-    counts as importing `a.b` when that is a module). Parent packages a dotted import loads
-    implicitly are not edges: every `__init__` would otherwise import its own children's users."""
-    mods = modules(root)
+def import_graph(
+    root: Path, mods: dict[str, tuple[Path, bool]] | None = None
+) -> dict[str, set[str]]:
+    """Module -> the modules of `mods` (default: polar_mitm's) it imports (anywhere in the file;
+    `from a import b` counts as importing `a.b` when that is a module). Parent packages a dotted
+    import loads implicitly are not edges: every `__init__` would otherwise import its own
+    children's users. A script (a name ``folder/stem``: see `repo_modules`) imports the scripts of
+    its own folder by their bare names."""
+    mods = modules(root) if mods is None else mods
     graph: dict[str, set[str]] = {}
     for name, (path, is_pkg) in mods.items():
-        package = name if is_pkg else name.rpartition(".")[0]
+        folder = name.rpartition("/")[0] + "/" if "/" in name else ""
+        package = "" if folder else name if is_pkg else name.rpartition(".")[0]
         edges: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -105,6 +118,8 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                 edges.update(subs)
                 if len(subs) < len(node.names):
                     edges.add(target)
+        if folder:
+            edges = {folder + e if folder + e in mods else e for e in edges}
         graph[name] = {e for e in edges if e in mods and e != name}
     return graph
 
@@ -313,15 +328,165 @@ def test_a_planted_violation_is_found(tmp_path: Path, files: dict[str, str], exp
     assert violations(_plant(tmp_path / "clean", {"store/writer.py": ""})) == []
 
 
+# -- the repository: no cycle anywhere, the product alone in its package -------------------------
+
+# The repository's importable packages and the folder each is imported from. The reference policy
+# server has its own pyproject in reference/ (installed by the test and demo set-up); the
+# benchmarks run from a checkout (`python -m polar_bench`).
+REPO_PACKAGES = {PACKAGE: ".", "polar_reference": "reference", "polar_bench": ".", "tests": "."}
+# The packages lowest first: each imports only itself and those before it. Everything else (the
+# tests, each folder of scripts: examples/..., addons/, the NeMo Gym entry points) stands above
+# them all and is imported by nobody outside itself.
+REPO_ORDER = (PACKAGE, "polar_reference", "polar_bench")
+# Folders of shell entry points: no Python in them (a script's code lives in a package or in
+# examples/).
+SHELL_ONLY = ("scripts",)
+
+
+def _skipped(rel: Path) -> bool:
+    return any(p.startswith(".") or p in ("node_modules", "__pycache__") for p in rel.parts)
+
+
+def repo_modules(root: Path) -> dict[str, tuple[Path, bool]]:
+    """Every module of the repository: a package's by its dotted name (see `modules`), any other
+    .py file, a script run by path, as ``folder/stem`` (its folder is on sys.path when it runs)."""
+    out: dict[str, tuple[Path, bool]] = {}
+    homes = []
+    for name, home in REPO_PACKAGES.items():
+        base = root / home
+        homes.append(base / name)
+        for path in sorted((base / name).rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if not _skipped(rel) and not any(path.is_relative_to(h) for h in homes):
+            out[f"{rel.parent.as_posix()}/{rel.stem}"] = (path, False)
+    return out
+
+
+def part_of(module: str) -> str:
+    """The part of the repository a module belongs to: its package, or its scripts' folder."""
+    return module.rpartition("/")[0] + "/" if "/" in module else module.split(".")[0]
+
+
+def repo_violations(root: Path) -> list[str]:
+    """Every broken rule of the repository around the package, one line each."""
+    graph = import_graph(root, repo_modules(root))
+    out = [f"import cycle: {' <-> '.join(c)}" for c in cycles(graph)]
+    rank = {name: i for i, name in enumerate(REPO_ORDER)}
+    for module in sorted(graph):
+        mine = part_of(module)
+        for target in sorted(graph[module]):
+            theirs = part_of(target)
+            if theirs == mine:
+                continue
+            if theirs not in rank:
+                out.append(f"{module} imports {target}: only {theirs} imports {theirs}")
+            elif mine in rank and rank[theirs] > rank[mine]:
+                out.append(f"{module} imports {target}: {mine} stands below {theirs}")
+    for folder in SHELL_ONLY:
+        for path in sorted((root / folder).glob("*.py")):
+            out.append(f"{path.relative_to(root)}: {folder}/ holds shell entry points only")
+    return out
+
+
+def test_the_repository_keeps_the_house_rules() -> None:
+    found = repo_violations(ROOT)
+    assert not found, "\n".join(found)
+
+
+def test_a_plain_install_packages_the_product_alone() -> None:
+    """`pip install polar-mitm` finds polar_mitm's packages and nothing else: the reference server
+    and the benchmarks cannot ride along in the wheel."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["packages"]["find"]["include"] == [f"{PACKAGE}*"]
+    assert all(key.split(".")[0] == PACKAGE for key in config.get("package-data", {}))
+    assert not (ROOT / PACKAGE / "policy_server").exists()
+
+
+def _plant_repo(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # two benchmark scenarios that import each other (bench.py <-> bench_long.py was one)
+            {
+                "polar_bench/core.py": "from polar_bench.long import Session\n",
+                "polar_bench/long.py": "def f():\n    from .core import Target\n",
+            },
+            "import cycle: polar_bench.core <-> polar_bench.long",
+        ),
+        (  # two scripts of one folder (train_check.py <-> verl_check.py was one)
+            {
+                "examples/checks/train_check.py": "def f():\n    import verl_check\n",
+                "examples/checks/verl_check.py": "from train_check import stats\n",
+            },
+            "import cycle: examples/checks/train_check <-> examples/checks/verl_check",
+        ),
+        (  # the product borrowing from the reference server
+            {
+                "polar_mitm/tokens/render.py": "from polar_reference.render import Renderer\n",
+                "reference/polar_reference/render.py": "",
+            },
+            "polar_mitm.tokens.render imports polar_reference.render: polar_mitm stands below",
+        ),
+        (  # the reference server borrowing from the benchmarks
+            {
+                "reference/polar_reference/server.py": "from polar_bench import core\n",
+                "polar_bench/core.py": "",
+            },
+            "polar_reference.server imports polar_bench.core: polar_reference stands below",
+        ),
+        (  # a benchmark borrowing a test helper
+            {
+                "polar_bench/core.py": "from tests.helpers import procs\n",
+                "tests/helpers/procs.py": "",
+            },
+            "polar_bench.core imports tests.helpers.procs: only tests imports tests",
+        ),
+        (  # Python back in scripts/
+            {"scripts/bench.py": ""},
+            "scripts/bench.py: scripts/ holds shell entry points only",
+        ),
+    ],
+)
+def test_a_planted_repository_violation_is_found(
+    tmp_path: Path, files: dict[str, str], expected: str
+) -> None:
+    found = repo_violations(_plant_repo(tmp_path, files))
+    assert any(line.startswith(expected) for line in found), found
+    clean = {"polar_bench/core.py": "import polar_reference.server\n", "scripts/x.sh": ""}
+    clean["reference/polar_reference/server.py"] = "from polar_mitm.core import sse\n"
+    clean["polar_mitm/core/sse.py"] = ""
+    assert repo_violations(_plant_repo(tmp_path / "clean", clean)) == []
+
+
 # -- size: a module is read in one sitting --------------------------------------------------------
 
 MAX_MODULE_LINES = 700
 
 
+# The code held to the function-size rule: the product and the reference server. The module-size
+# rule also covers the benchmarks and examples/.
+SIZED = (PACKAGE, "reference/polar_reference")
+
+
+def _sized_files(root: Path, folders: tuple[str, ...] = SIZED) -> list[Path]:
+    return [p for folder in folders for p in sorted((root / folder).rglob("*.py"))]
+
+
 def long_modules(root: Path) -> list[str]:
-    """Every module under `root/polar_mitm` longer than `MAX_MODULE_LINES`."""
+    """Every module of `SIZED`, polar_bench/ and examples/ longer than `MAX_MODULE_LINES`."""
     out = []
-    for path in sorted((root / PACKAGE).rglob("*.py")):
+    for path in _sized_files(root, (*SIZED, "polar_bench", "examples")):
         n = len(path.read_text().splitlines())
         if n > MAX_MODULE_LINES:
             out.append(f"{path.relative_to(root)}: {n} lines (at most {MAX_MODULE_LINES})")
@@ -347,13 +512,13 @@ LONG_FUNCTIONS = {
     "polar_mitm/store/writer.py:Store.__init__": "the Store's whole state, each field commented",
     "polar_mitm/store/writer.py:Store.close": "the shutdown order of the two threads, one sequence",
     "polar_mitm/store/recovery.py:scan_journal": "one pass over the segments, its cases in order",
-    "polar_mitm/policy_server/vllm_wire.py:VllmWire._stream": "test tool: vLLM's chunks in order",
-    "polar_mitm/policy_server/vllm_wire.py:VllmWire.parse_chat": "test tool: vLLM's checks in order",
-    "polar_mitm/policy_server/sglang_wire.py:SglangWire._stream": "test tool: SGLang's chunks",
-    "polar_mitm/policy_server/sglang_wire.py:SglangWire.chat_reply": "test tool: SGLang's reply",
-    "polar_mitm/policy_server/server.py:PolicyServer.play": "test tool: one scripted turn's knobs",
-    "polar_mitm/policy_server/completions.py:completion_plan": "test tool: the request's fields",
-    "polar_mitm/policy_server/cli.py:policy_server": "test tool: a click command's options",
+    "reference/polar_reference/vllm_wire.py:VllmWire._stream": "test tool: vLLM's chunks in order",
+    "reference/polar_reference/vllm_wire.py:VllmWire.parse_chat": "test tool: vLLM's checks in order",
+    "reference/polar_reference/sglang_wire.py:SglangWire._stream": "test tool: SGLang's chunks",
+    "reference/polar_reference/sglang_wire.py:SglangWire.chat_reply": "test tool: SGLang's reply",
+    "reference/polar_reference/server.py:PolicyServer.play": "test tool: one scripted turn's knobs",
+    "reference/polar_reference/completions.py:completion_plan": "test tool: the request's fields",
+    "reference/polar_reference/cli.py:policy_server": "test tool: a click command's options",
     "polar_mitm/nemo_gym/agent.py:PolarMitmAgent._rollout": "one Gym rollout's steps, in order",
     "polar_mitm/dialects/openai_responses.py:OpenAIResponses.parse": "the request's fields in order",
     "polar_mitm/dialects/anthropic_messages.py:AnthropicMessages.parse": "the request's fields",
@@ -371,8 +536,8 @@ LONG_FUNCTIONS = {
 
 
 def long_functions(root: Path) -> dict[str, int]:
-    """Every function under `root/polar_mitm` longer than `MAX_FUNCTION_LINES` (its `def` line to
-    its last, decorators aside) -> its length, as ``path:Class.method``."""
+    """Every function of `SIZED` longer than `MAX_FUNCTION_LINES` (its `def` line to its last,
+    decorators aside) -> its length, as ``path:Class.method``."""
     out: dict[str, int] = {}
 
     def walk(node: ast.AST, rel: str, prefix: str) -> None:
@@ -386,7 +551,7 @@ def long_functions(root: Path) -> dict[str, int]:
             elif isinstance(child, ast.ClassDef):
                 walk(child, rel, prefix + child.name + ".")
 
-    for path in sorted((root / PACKAGE).rglob("*.py")):
+    for path in _sized_files(root):
         walk(ast.parse(path.read_text(), str(path)), str(path.relative_to(root)), "")
     return out
 

@@ -13,13 +13,13 @@ import random
 from array import array
 
 import pytest
+from polar_reference.render import Renderer, RenderInput
+from polar_reference.scenario import ToolCallSpec, Turn
 
 from polar_mitm.call.token_in import TokenInReply
 from polar_mitm.dialects.assemble import ChatAssembler
 from polar_mitm.output_parsers import FAMILIES, family
 from polar_mitm.output_parsers.hermes_stream import is_complete_json
-from polar_mitm.policy_server.render import Renderer, RenderInput
-from polar_mitm.policy_server.scenario import ToolCallSpec, Turn
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.trajectory.exact_prefix import ExactPlan
 from polar_mitm.upstream import UPSTREAMS, TokenTally

@@ -7,9 +7,9 @@ import json
 
 import aiohttp
 import pytest
+from polar_reference import PolicyServer, ServerConfig
+from polar_reference.scenario import load_scenario
 
-from polar_mitm.policy_server import PolicyServer, ServerConfig
-from polar_mitm.policy_server.scenario import load_scenario
 from polar_mitm.tokens.conversation import (
     RequestError,
     sglang_messages,
@@ -500,8 +500,9 @@ def test_reference_sglang_streams_with_sglext_ids():
 def test_reference_generate_is_strict_and_can_abort(tmp_path):
     """/generate: unknown sampling keys are SGLang's contract 400; text in the triples only with
     return_text_in_logprobs; the prompt echoed with return_prompt_token_ids; a scripted abort."""
+    from polar_reference.render import Renderer
+
     from polar_mitm.assets import qwen3_tokenizer_dir
-    from polar_mitm.policy_server.render import Renderer
 
     renderer = Renderer(qwen3_tokenizer_dir())
     prompt = renderer.prompt(sglang_render_input(TOOL_TURN)).ids

@@ -4,7 +4,7 @@ the modules they share under tests/helpers/. Checked by parsing, not importing, 
 - A test module at the top of tests/ starts no process of ours: it imports neither the process
   helpers (`tests.helpers.procs`, `tests.helpers.capture_session`) nor anything of the end-to-end
   packages, takes neither `make_mitm` nor `make_policy_server`, and names neither `mitmdump` nor
-  `-m polar_mitm.policy_server` on a command line. Tests that do belong in tests/e2e/loopback/
+  `-m polar_reference` on a command line. Tests that do belong in tests/e2e/loopback/
   (our own processes) or tests/e2e/ (the real harnesses); tests/faults/ and tests/vllm/ are tiers
   of their own that start processes too.
 - No `*_e2e.py` outside tests/e2e/.
@@ -90,9 +90,7 @@ def starts_processes(path: Path, module: str) -> list[str]:
                 why.append(f"line {node.lineno} runs mitmdump")
         elif isinstance(node, ast.List | ast.Tuple):
             words = [e.value for e in node.elts if isinstance(e, ast.Constant)]
-            if any(
-                words[i : i + 2] == ["-m", "polar_mitm.policy_server"] for i in range(len(words))
-            ):
+            if any(words[i : i + 2] == ["-m", "polar_reference"] for i in range(len(words))):
                 why.append(f"line {node.lineno} runs the policy server")
     return why
 
@@ -148,7 +146,7 @@ def test_every_time_limit_and_group_pattern_names_a_test_file() -> None:
         ("tests/test_x.py", "from .e2e.loopback.test_capture_e2e import calls_of\n", "imports te"),
         ("tests/test_x.py", "def test_a(make_mitm):\n    pass\n", "test_a() takes make_mitm"),
         ("tests/test_x.py", "import subprocess\nsubprocess.run(['mitmdump'])\n", "runs mitmdump"),
-        ("tests/test_x.py", "A = ['python', '-m', 'polar_mitm.policy_server']\n", "policy server"),
+        ("tests/test_x.py", "A = ['python', '-m', 'polar_reference']\n", "policy server"),
         ("tests/test_x_e2e.py", "", "an end-to-end test outside tests/e2e/"),
         ("tests/vllm/test_x_e2e.py", "", "an end-to-end test outside tests/e2e/"),
         ("tests/procs.py", "", "a helper module outside tests/helpers/"),
@@ -160,7 +158,7 @@ def test_a_misplaced_module_is_found(tmp_path: Path, rel: str, text: str, expect
     (tmp_path / rel).write_text(text)
     (tmp_path / "tests/test_fine.py").write_text(
         "from tests.helpers.clients import http_client\nfrom .test_store import call_row\n"
-        "def test_b(tmp_path):\n    '''mitmdump, python -m polar_mitm.policy_server'''\n"
+        "def test_b(tmp_path):\n    '''mitmdump, python -m polar_reference'''\n"
     )
     (tmp_path / "tests/e2e/loopback").mkdir(parents=True, exist_ok=True)
     (tmp_path / "tests/e2e/loopback/test_y_e2e.py").write_text("def test_c(make_mitm): pass\n")

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 
+from polar_reference.render import Renderer
+
 from polar_mitm.assets import qwen3_tokenizer_dir
-from polar_mitm.policy_server.render import Renderer
 from polar_mitm.tokens.conversation import render_input
 from polar_mitm.upstream import UPSTREAMS, TokenTally
 
@@ -79,7 +80,7 @@ def test_the_reference_server_decodes_only_what_a_prompt_adds():
     """`Renderer.decode_prompt` reuses the text of an earlier prompt up to its last special
     token; whatever the split, the text is the whole prompt decoded at once (here with
     multi-byte characters cut between ids in the new part). Sessions that share a long system
-    prompt, taking turns (bench.py --long's eight), each find their own earlier prompt: a later
+    prompt, taking turns (the long load's eight), each find their own earlier prompt: a later
     call decodes only the ids its prompt adds."""
     renderer = Renderer(qwen3_tokenizer_dir())
     decoded: list[int] = []

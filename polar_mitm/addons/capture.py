@@ -109,7 +109,12 @@ class CaptureAddon:
         control: ControlState | None = None,
         tokenizer: TokenizerAddon | None = None,
         exact: ExactPrefixAddon | None = None,
+        metrics: ProxyMetrics | None = None,
+        constraints: ConstraintsAddon | None = None,
+        warmup: WarmUpAddon | None = None,
     ) -> None:
+        """Everything the capture uses is handed in here (polar.py builds them first), never set
+        on the instance afterwards: what an addon depends on is read in one signature."""
         self.identity = identity
         self.exact = exact
         self.sinks = list(sinks)
@@ -126,9 +131,9 @@ class CaptureAddon:
         self.served_model: str | None = None
         self.max_model_len: int | None = None  # the served model's, from GET /v1/models
         self.live: dict[str, Call] = {}
-        self.metrics: ProxyMetrics | None = None  # observes each call's added latency
-        self.warmup: WarmUpAddon | None = None  # runs once the gateway listens
-        self.constraints: ConstraintsAddon | None = None  # polar_harness_constraints
+        self.metrics = metrics  # observes each call's added latency
+        self.warmup = warmup  # runs once the gateway listens
+        self.constraints = constraints  # what goes upstream of parallel_tool_calls=false
         self._announcing: asyncio.Task | None = None
 
     def load(self, loader) -> None:

@@ -38,6 +38,8 @@ def polar_addons() -> list[object]:
         control=state, rollouts=trajectory.rollouts, checks=FidelityStage(), final=[store, metrics]
     )
     fidelity = FidelityAddon(tokenizer, pipeline)
+    constraints = ConstraintsAddon(tokenizer)  # what goes upstream of parallel_tool_calls=false
+    warmup = WarmUpAddon()  # its running() warms the proxy before it says it is capturing
     capture = CaptureAddon(
         identity,
         sinks=[pipeline],
@@ -45,12 +47,10 @@ def polar_addons() -> list[object]:
         control=state,
         tokenizer=tokenizer,
         exact=exact,
+        metrics=metrics.metrics,
+        constraints=constraints,
+        warmup=warmup,
     )
-    capture.metrics = metrics.metrics
-    constraints = ConstraintsAddon(tokenizer)
-    capture.constraints = constraints  # what goes upstream of parallel_tool_calls=false
-    warmup = WarmUpAddon()
-    capture.warmup = warmup  # its running() warms the proxy before it says it is capturing
     control = ControlAddon(
         state, trajectory.rollouts, settle=pipeline.checks.drain, metrics=metrics
     )

@@ -33,8 +33,8 @@ def fail(message: str) -> None:
 
 
 class LazyGroup(click.Group):
-    """A group whose heavier commands are imported only when used (the policy server pulls in
-    aiohttp and the tokenizer stack: a second on every `polar-mitm summary` otherwise).
+    """A group whose heavier commands are imported only when used (`top` and `sql` pull in their
+    own stacks: time on every `polar-mitm summary` otherwise).
     ``lazy`` maps a command name to ``"module:attribute"``."""
 
     lazy: dict[str, str] = {}
@@ -605,7 +605,6 @@ def pa_errors() -> type[Exception]:
 
 def _register_optional() -> None:
     """Commands whose modules are written separately, imported when they are run."""
-    LazyGroup.lazy["policy-server"] = "polar_mitm.policy_server.cli:policy_server"
     LazyGroup.lazy["top"] = "polar_mitm.cli.top:top"
     LazyGroup.lazy["sql"] = "polar_mitm.cli.sql:sql"
 

@@ -2,7 +2,7 @@
 
 In a long agent session the first upstream chunk carries the whole prompt's ids (100k ints) and
 the request is hundreds of KB; decoding and re-encoding them with the stdlib `json` was the
-largest part of polar-mitm's own CPU per call under scripts/bench.py --long (the profile in
+largest part of polar-mitm's own CPU per call under python -m polar_bench long (the profile in
 README "Performance"). msgspec decodes an id list about twice as fast and encodes a request
 several times faster. (orjson was measured too: as fast, but it turns an integer beyond 64 bits
 into a float without an error, so a value would silently change.)
@@ -77,7 +77,7 @@ def lone_surrogates(text: str, value: Any) -> bool:
     stream chunk or request from a UTF-8 encoder; one memchr where it holds no backslash). With
     one (an emoji from an ASCII-only encoder is a pair of them) each string and key is encoded,
     walking the dicts and lists only: an int32 id array (`loads_ids`) holds no text. The walk
-    costs a fifth of encoding the value whole (`scripts/bench_surrogates.py`: 0.30 against 1.71
+    costs a fifth of encoding the value whole (`polar_bench/surrogates.py`: 0.30 against 1.71
     ms for a 480 KB request with emoji)."""
     if "\\" not in text or ("\\ud" not in text and "\\uD" not in text):
         return False

@@ -4,7 +4,7 @@ Gym's ``env start`` runs a local Ray cluster, a head server and one shell + ``py
 server. Started in the background it does not always stop on its SIGINT, and Ray's workers sit
 in process groups of their own, so stopping the group is not enough: `GymSession` starts Gym in a
 session of its own, and `stop` sends SIGINT to its group, waits, then kills whatever is left in
-the session. Used by the e2e test and by scripts/demo_nemo_gym.py.
+the session. Used by the e2e test and by examples/demo/demo_nemo_gym.py.
 """
 
 from __future__ import annotations

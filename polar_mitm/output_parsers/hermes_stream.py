@@ -7,7 +7,7 @@ deltas it reproduces are described in ``qwen3.py``) but reads each character onc
 only grows, a position that was decided stays decided, so each region keeps how far it has been
 read and the state of its bracket match. Re-reading was quadratic in the reply, on the proxy's
 event loop: a ``write_file`` call of 16,000 characters (3,824 tokens) took 4.2 s of CPU there
-(``scripts/bench_output_parser.py``).
+(``polar_bench/output_parser.py``).
 
 Positions are indices into the content text the caller passes each time, which must extend the
 text of the call before (`StreamParser` passes the content accumulated since ``</think>``).

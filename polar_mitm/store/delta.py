@@ -28,7 +28,7 @@ them apart by the non-null length; `upgrade_row` and the resolver read that form
 with a length and no part column is a schema-2 row), and `polar-mitm migrate` rewrites it.
 
 Readers (`store.read_table`, the CLI's `captured.read`, and through them every command and
-export, and scripts/train_check.py, which loads this file by path: it imports nothing of the
+export, and examples/trainer_checks/train_check.py, which loads this file by path: it imports nothing of the
 package) call `resolve`, which gives every row its full prompt and request back, so nothing
 downstream sees the encoding (the traces dataset always holds whole sequences). A row whose base
 is missing (a shard removed by hand) comes back with null there and a warning naming the call,
@@ -53,7 +53,7 @@ MIN_SHARED_IDS, MIN_SHARED_CHARS = 64, 256
 # journal thread's memory when rollouts never end; a dropped one starts again in full.
 MAX_ROLLOUTS = 4096
 # The row key under which a calls row brings the merge's base (`CallRecord.to_row`): no column,
-# never journaled. This module imports nothing of the package (scripts/train_check.py loads it).
+# never journaled. This module imports nothing of the package (examples/trainer_checks/train_check.py loads it).
 DELTA_BASE = "_delta_base"
 # Call ids per rollout the encoder remembers as journaled (a base older than these: stored whole).
 MAX_BASES = 256

@@ -8,7 +8,7 @@ CUDA build. The proxy and the reference server only need the tokenizer, so this 
 metadata itself (the GGUF v2/v3 key-value section, a few dozen lines of ``struct``) and hands it to
 the same transformers builders ``from_pretrained`` uses (``convert_gguf_tokenizer``), giving the
 same tokenizer. tests/e2e/loopback/test_realmodel.py checks it token for token against
-llama.cpp's own tokenizer, and scripts/train_check.py against ``AutoTokenizer.from_pretrained(..., gguf_file=...)``
+llama.cpp's own tokenizer, and examples/trainer_checks/train_check.py against ``AutoTokenizer.from_pretrained(..., gguf_file=...)``
 where torch is installed.
 """
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from polar_reference.scenario import bundled_scenario
 
 from polar_mitm.control import ControlClient
 from polar_mitm.nemo_gym.coding_tasks import load_task, seed, verify
 from polar_mitm.nemo_gym.harness import DEFAULT_MODEL, HARNESSES, harness_env, run_harness
 from polar_mitm.nemo_gym.items import output_items
-from polar_mitm.policy_server.scenario import bundled_scenario
 from polar_mitm.trajectory.traceview import main_trace
 
 TOKEN = "gym-harness-control-token"

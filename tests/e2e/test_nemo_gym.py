@@ -29,10 +29,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from polar_reference.scenario import bundled_scenario
 
 from polar_mitm.control import ControlClient
 from polar_mitm.nemo_gym.session import GymSession, session_members
-from polar_mitm.policy_server.scenario import bundled_scenario
 from polar_mitm.store import read_table
 from tests.helpers import ROOT
 from tests.helpers.procs import MITMDUMP, free_port

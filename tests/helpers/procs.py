@@ -121,7 +121,7 @@ class PolicyServer:
 def start_policy_server(
     tmp: Path, scenario: Path | str | None = None, extra: Iterable[str] = (), name: str = "policy"
 ) -> PolicyServer:
-    args = [sys.executable, "-m", "polar_mitm.policy_server", "--port", "0"]
+    args = [sys.executable, "-m", "polar_reference", "--port", "0"]
     if scenario is not None:
         args += ["--scenario", str(scenario)]
     args += list(extra)

@@ -2,7 +2,7 @@
 request seen), never sleep for a fixed time. The deadline is a failure guard sized for a slow,
 busy machine (a CPU-bound model server beside the suite), not the time the condition should
 take: a condition that holds returns at once, so a generous deadline costs nothing when all is
-well, and speed is the benchmarks' business (scripts/bench_*.py), not a test's pass or fail."""
+well, and speed is the benchmarks' business (polar_bench/), not a test's pass or fail."""
 
 from __future__ import annotations
 

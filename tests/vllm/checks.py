@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-
-from polar_mitm.policy_server.vllm_launch import SERVED_MODEL
+from polar_reference.vllm_launch import SERVED_MODEL
 
 from .recorder import Recorder
 

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from polar_mitm.policy_server.vllm_launch import (
+from polar_reference.vllm_launch import (
     VllmServer,
     VllmUnavailable,
     find_setup,
     shared_server,
 )
+
 from tests.helpers.procs import need
 
 from .recorder import Recorder

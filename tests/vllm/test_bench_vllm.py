@@ -1,4 +1,4 @@
-"""scripts/bench_vllm.py (the real-vLLM column of `bench.py --long`) runs and measures: its own
+"""polar_bench/vllm.py (`python -m polar_bench vllm`) runs and measures: its own
 vLLM server (the bench's scenario), the three columns, the server's CPU per call read from /proc."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from tests.helpers import ROOT
 def test_bench_vllm_smoke(vllm_setup, tmp_path):
     out = tmp_path / "vllm.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_vllm.py"), "--smoke", "--json", str(out)],
+        [sys.executable, "-m", "polar_bench", "vllm", "--smoke", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=1100,
-        cwd=ROOT / "scripts",
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())

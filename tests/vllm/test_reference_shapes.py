@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+from polar_reference.vllm_launch import SERVED_MODEL
 
-from polar_mitm.policy_server.vllm_launch import SERVED_MODEL
 from tests.helpers.clients import RUN_SHELL
 
 from .conftest import SCENARIOS

@@ -1,4 +1,5 @@
-"""scripts/bench.py must not rot: run it with tiny counts and check it produced numbers."""
+"""The benchmarks (polar_bench) must not rot: run their scenarios with tiny counts and check they
+produced numbers."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import sys
 from tests.helpers import ROOT
 
 
-def run_script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    """scripts/NAME with ARGS, from the checkout's root; it must exit 0."""
+def run_bench(scenario: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """`python -m polar_bench SCENARIO ARGS` from the checkout's root; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / name), *args],
+        [sys.executable, "-m", "polar_bench", scenario, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -24,8 +25,8 @@ def run_script(name: str, *args: str, timeout: int = 600) -> subprocess.Complete
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_script(
-        "bench.py",
+    proc = run_bench(
+        "chat",
         "--quick",
         "--smoke",
         "--variant",
@@ -35,6 +36,8 @@ def test_bench_smoke(tmp_path):
         "--markdown",
     )
     results = json.loads(out.read_text())
+    assert results["scenario"] == "chat" and results["machine"]["cpus"] > 0  # what it ran on
+    assert results["machine"]["versions"]["mitmproxy"]
     for column in ("direct", "mitm-stream", "mitm-buffered", "polar-mitm", "capture-floor"):
         col = results["columns"][column]
         assert col["c1"]["calls"] > 0 and col["throughput"]["calls"] > 0, (column, col)
@@ -57,21 +60,14 @@ def test_bench_smoke(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "added latency p50 ms (1 conc)" in proc.stdout
     assert "| calls/s, 32 concurrent |" in proc.stdout  # --markdown: the README's table
-    assert results["inprocess"]["fidelity_check_vs_off"] > 1  # scripts/bench_fidelity.py
-    assert results["inprocess"]["exact_hot_ms_cpu_per_call"] > 0  # scripts/bench_exact.py
+    assert results["inprocess"]["fidelity_check_vs_off"] > 1  # polar_bench/fidelity.py
+    assert results["inprocess"]["exact_hot_ms_cpu_per_call"] > 0  # polar_bench/exact.py
 
 
 def test_bench_long_smoke(tmp_path):
-    """The long-session load (`--long`): 2 sessions x 4 turns, 8 open rollouts."""
+    """The long-session load: 2 sessions x 4 turns, 8 open rollouts."""
     out = tmp_path / "long.json"
-    proc = run_script(
-        "bench.py",
-        "--long",
-        "--smoke",
-        "--no-vllm",  # its real-vLLM column has its own test (tests/vllm/test_bench_vllm.py)
-        "--json",
-        str(out),
-    )
+    proc = run_bench("long", "--smoke", "--json", str(out))
     results = json.loads(out.read_text())
     cols = results["columns"]
     for column in ("direct", "mitm-stream", "capture-floor", "polar-mitm", "polar-mitm+exact"):
@@ -93,21 +89,19 @@ def test_bench_long_smoke(tmp_path):
 
 
 def test_profile_parts_name_real_functions():
-    """scripts/bench_profile.py finds each part by its function's name in py-spy's stacks; a
+    """polar_bench/profiling.py finds each part by its function's name in py-spy's stacks; a
     renamed function would silently show 0 %."""
     import importlib
     import inspect
     import pkgutil
 
     import polar_mitm
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_profile
+    from polar_bench import profiling as bench_profile
 
     modules = [
         importlib.import_module(m.name)
         for m in pkgutil.walk_packages(polar_mitm.__path__, "polar_mitm.")
-        if not m.name.startswith("polar_mitm.policy_server")
+        if not m.name.startswith("polar_reference")
     ]
     modules += [importlib.import_module(n) for n in ("aiohttp.client", "mitmproxy.addonmanager")]
     known = set()
@@ -122,18 +116,18 @@ def test_profile_parts_name_real_functions():
 
 
 def test_bench_exact_long_smoke():
-    """scripts/bench_exact.py --long (exact-prefix's hot path on bench.py --long's sessions)."""
-    proc = run_script("bench_exact.py", "--long", "--turns", "3", timeout=300)
+    """polar_bench/exact.py --long (exact-prefix's hot path on the long load's sessions)."""
+    proc = run_bench("exact", "--long", "--turns", "3", timeout=300)
     figures = dict(line.split() for line in proc.stdout.splitlines() if line.startswith("long_"))
     assert float(figures["long_last_plan_ms"]) > 0
     assert float(figures["long_last_encode_ms"]) > 0
 
 
 def test_bench_long_ab_gateway_smoke():
-    """scripts/bench_long_ab.py with its mitm-stream and mitm-gateway columns (the latter:
-    scripts/bench_floor.py's BENCH_GATEWAY, calls through polar-mitm's loopback gateway)."""
+    """polar_bench/long_ab.py with its mitm-stream and mitm-gateway columns (the latter:
+    polar_bench/floor_addon.py's BENCH_GATEWAY, calls through polar-mitm's loopback gateway)."""
     args = ("--tree", f"new={ROOT}", "--stream", "--gateway", "--sessions", "1", "--turns", "2")
-    proc = run_script("bench_long_ab.py", *args)
+    proc = run_bench("long-ab", *args)
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if " calls " in line}
     for column in ("polar-mitm+exact-new", "mitm-stream", "mitm-gateway"):
         assert rows[column][1:3] == ["calls", "2"], proc.stdout

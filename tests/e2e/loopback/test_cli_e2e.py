@@ -324,7 +324,6 @@ def test_every_command_has_complete_help():
         "env": ["--proxy", "--rollout"],
         "certs": ["--confdir"],
         "recover": ["--journal"],
-        "policy-server": ["--scenario"],
     }.items():
         result = cli(command, "--help")
         assert result.exit_code == 0, result.output

@@ -24,7 +24,7 @@ import pytest
 from polar_mitm.assets import qwen3_tokenizer_dir
 from tests.helpers import ROOT
 
-SCENARIOS = ROOT / "polar_mitm" / "policy_server" / "scenarios"
+SCENARIOS = ROOT / "reference" / "polar_reference" / "scenarios"
 MODEL = "Qwen/Qwen3-4B"
 IM_END = 151645
 
@@ -47,13 +47,13 @@ SYSTEM = "You are a careful coding agent working in a sandbox."
 
 
 class Server:
-    """A `python -m polar_mitm.policy_server` child process."""
+    """A `python -m polar_reference` child process."""
 
     def __init__(self, tmp: Path, *args: str) -> None:
         self.log = tmp / f"policy-{os.getpid()}-{time.monotonic_ns()}.log"
         self._err = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "polar_mitm.policy_server", "--port", "0", *args],
+            [sys.executable, "-m", "polar_reference", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=self._err,
             cwd=ROOT,
@@ -836,7 +836,8 @@ def test_concurrent_streams_do_not_block_each_other(tmp_module: Path) -> None:
     ],
 )
 def test_token_limits_of_each_server(limits, n_prompt, max_tokens, want) -> None:
-    from polar_mitm.policy_server.generation import token_limit
+    from polar_reference.generation import token_limit
+
     from polar_mitm.tokens.conversation import RequestError
 
     context = 131072 if n_prompt == 11435 and limits == "0.33" else 32768

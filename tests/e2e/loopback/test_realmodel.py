@@ -125,7 +125,7 @@ def test_polar_tokenizer_gguf_spec(gguf, tmp_path):
 
 def test_sample_token_draws_from_the_distribution():
     """Temperature 1 draws from softmax(logits); top-k/top-p keep only their candidates; 0 is argmax."""
-    from polar_mitm.policy_server.llama_engine import SamplingParams, sample_token
+    from polar_reference.llama_engine import SamplingParams, sample_token
 
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05, 0.0 + 1e-300]))
     rng = np.random.default_rng(5)
@@ -148,7 +148,7 @@ def test_engine_steps_are_log_softmax_of_the_logits(gguf):
     """Each step's logprob is log_softmax of the logits at that position (float64, then float32),
     the token is fed back before the next step, and a seed reproduces the generation."""
     need(HAVE_LLAMA, "llama-cpp-python is not installed")
-    from polar_mitm.policy_server.llama_engine import LlamaEngine, SamplingParams
+    from polar_reference.llama_engine import LlamaEngine, SamplingParams
 
     engine = LlamaEngine(gguf, n_ctx=256, threads=1)
     # <|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n
@@ -363,8 +363,7 @@ def test_bad_requests_are_refused_in_vllm_shape(real_server):
 
 def test_cli_refuses_mixing_modes(tmp_path):
     from click.testing import CliRunner
-
-    from polar_mitm.policy_server.cli import policy_server
+    from polar_reference.cli import policy_server
 
     runner = CliRunner()
     r = runner.invoke(policy_server, ["--real", "--kind", "sglang"])
@@ -487,9 +486,9 @@ def _policy_runs(trace: dict) -> list[tuple[tuple[int, ...], tuple[float, ...]]]
 
 
 def _train_check_module():
-    """scripts/train_check.py's reader (it needs only pyarrow and numpy at import)."""
+    """examples/trainer_checks/train_check.py's reader (it needs only pyarrow and numpy at import)."""
     spec = importlib.util.spec_from_file_location(
-        "train_check", ROOT / "scripts" / "train_check.py"
+        "train_check", ROOT / "examples" / "trainer_checks" / "train_check.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("train_check", module)
@@ -559,7 +558,7 @@ def _train_check(data: Path, report: Path, *flags: str) -> dict:
     )
     cmd = [
         str(TRAINER_PYTHON),
-        str(ROOT / "scripts" / "train_check.py"),
+        str(ROOT / "examples" / "trainer_checks" / "train_check.py"),
         str(data),
         "--report",
         str(report),

@@ -1,6 +1,6 @@
 """vLLM 0.33 and SGLang 0.5.23 as they really are (issue 21), end to end: real mitmdump + addon,
 real HTTPS through the proxy, the reference policy server imitating those releases
-(`polar_mitm/policy_server/versions.py`; docs/upstreams.md cites the servers' source).
+(`reference/polar_reference/versions.py`; docs/upstreams.md cites the servers' source).
 
 Each test is one finding of the audit: the output-cap refusal and clamp of vLLM 0.33 (and older
 vLLM's texts), a prompt too long by itself (answered at once, never resent), `include_reasoning:

@@ -15,10 +15,10 @@ import sys
 
 import httpx
 import pytest
+from polar_reference import vllm_launch
 from transformers import AutoTokenizer
 
 from polar_mitm.assets import qwen3_tokenizer_dir
-from polar_mitm.policy_server import vllm_launch
 from tests.helpers import TESTS
 from tests.helpers.clients import RUN_SHELL
 from tests.helpers.procs import start_policy_server

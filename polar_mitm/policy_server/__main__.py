@@ -1,6 +1,0 @@
-"""``python -m polar_mitm.policy_server [OPTIONS]``: the ``policy-server`` command."""
-
-from .cli import policy_server
-
-if __name__ == "__main__":
-    policy_server()

@@ -1,0 +1,6 @@
+"""``python -m polar_reference [OPTIONS]``: the ``policy-server`` command."""
+
+from .cli import policy_server
+
+if __name__ == "__main__":
+    policy_server()
