@@ -651,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         results = measure_long(args, Path(d))
     with tempfile.TemporaryDirectory(prefix="polar-bench-open-") as d:
         results["open_rollouts"] = measure_open_rollouts(args, Path(d))
+    results["header"] = HEADER
     results["table"] = rows = report_long(results)
     core.print_table(rows, HEADER)
     if args.json:

@@ -3,7 +3,8 @@
     python -m polar_bench chat --quick --json F --markdown   # run, then print the table
     python -m polar_bench markdown F                    # the table of a saved run
 
-So that the README's table is what the script printed, not a transcription of it.
+So that the documentation's table is what the script printed, not a transcription of it
+(render.py puts it into docs/performance.md).
 """
 
 from __future__ import annotations
@@ -129,9 +130,10 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if len(sys.argv) != 2:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
         sys.exit(__doc__)
-    print(markdown(json.loads(Path(sys.argv[1]).read_text())))
+    print(markdown(json.loads(Path(argv[0]).read_text())))
     return 0
 
 

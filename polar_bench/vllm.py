@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="polar-bench-vllm-") as d:
         results = measure_vllm(args, Path(d))
+    results["header"] = HEADER
     results["table"] = rows = report_vllm(results)
     core.print_table(rows, HEADER)
     if args.json:

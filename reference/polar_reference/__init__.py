@@ -2,7 +2,7 @@
 
 It plays scripted coding-agent turns (``scenario.py``) with real token ids from a Hugging Face
 tokenizer and chat template (``render.py``), so the proxy's tests, demo and benchmarks run without a
-GPU. Start it with ``polar-mitm policy-server`` or ``python -m polar_reference``; embed it
+GPU. Start it with ``polar-reference`` or ``python -m polar_reference``; embed it
 with :class:`PolicyServer`. With ``--real`` / ``--gguf`` a real GGUF model sampled by llama.cpp
 replaces the scripted turns (``real.py``, ``llama_engine.py``; docs/realmodel.md).
 """

@@ -1,4 +1,4 @@
-"""``python -m polar_reference [OPTIONS]``: the ``policy-server`` command."""
+"""``python -m polar_reference [OPTIONS]``: the ``polar-reference`` command."""
 
 from .cli import policy_server
 

