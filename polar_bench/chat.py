@@ -640,9 +640,21 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + markdown(results))
     results["table"] = rows
     if args.json:
-        save(results, args.json, "chat", sys.argv[1:] if argv is None else argv)
         plot(results, args.json.with_suffix(".png"))
+        save(without_samples(results), args.json, "chat", sys.argv[1:] if argv is None else argv)
     return 0
+
+
+def without_samples(results: dict) -> dict:
+    """The figures without each call's time to last byte (the plot has them): a saved run is
+    kept small enough to commit (polar_bench/runs/)."""
+
+    def strip(value: object) -> object:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "ttlb_ms"}
+        return value
+
+    return strip(results)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ A table in the page sits between two markers naming its run:
 
 Everything else in the page (the narrative) is left as written. A run is the JSON a scenario's
 ``--json`` wrote (core.save: the scenario, its arguments, when, the machine and the versions,
-the figures): a short-chat run renders as markdown.py's table, goals judged; any other as the
-rows its scenario printed (``header`` and ``table``). So no table in the page is typed by hand,
+the figures): a short-chat run renders as markdown.py's table, goals judged; a long, vllm or farm
+run as its scenario's report of the saved figures; any other as the rows its scenario printed
+(``header`` and ``table``). So no table in the page is typed by hand,
 and ``--check`` (a test runs it) says when one was.
 """
 
@@ -50,15 +51,34 @@ def provenance(run: dict, name: str) -> str:
     )
 
 
+def rows_of(run: dict) -> tuple[tuple[str, ...] | None, list | None]:
+    """A run's header and rows: its scenario's report of its figures, as the scenario prints it
+    today (so a report's fix shows on every saved run), else the rows the run saved."""
+    from . import farm, long, vllm
+
+    reports = {
+        "long": (long.HEADER, long.report_long),
+        "farm": (farm.HEADER, farm.report_farm),
+        "vllm": (vllm.HEADER, vllm.report_vllm),
+    }
+    if run["scenario"] in reports:
+        header, report = reports[run["scenario"]]
+        return header, report(run)
+    return run.get("header"), run.get("table")
+
+
 def table(run: dict) -> str:
     """A run's figures as a Markdown table."""
     if run["scenario"] == "chat":
         return markdown(run)
-    header, rows = run.get("header"), run.get("table")
+    header, rows = rows_of(run)
     if not header or rows is None:
         raise RenderError(f"a {run['scenario']} run without header and table rows")
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+    def cells(row: list) -> str:  # a "|" inside a cell would split it
+        return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |"
+
+    lines = [cells(header), "|" + " --- |" * len(header), *(cells(row) for row in rows)]
     return "\n".join(lines)
 
 
