@@ -131,21 +131,24 @@ def test_a_bad_checkpoint_is_refused_and_nothing_changes(engine, pushing_mitm, t
 
 def test_an_engine_that_dies_is_restarted_on_the_last_good_weights(engine, pushing_mitm, tmp_path):
     mitm, control = pushing_mitm
+    good = scaled(engine.weights, tmp_path / "step-1", 1.1)
+    control.push_weights(str(good), "step-1")  # the last good weights: not the ones it started on
     reply, logprobs = greedy(mitm, "alive.0")
-    new = scaled(engine.weights, tmp_path / "step-1")
+    new = scaled(engine.weights, tmp_path / "step-2", 1.3)
     os.killpg(engine.pid(), signal.SIGKILL)  # the engine is gone when the push comes
     with pytest.raises(ControlError) as e:
-        control.push_weights(str(new), "step-1")
+        control.push_weights(str(new), "step-2")
     assert e.value.status == 502, e.value
     assert "restarted the engine on the last good weights" in e.value.message, e.value
-    assert control.policy_version() == "step-0"
+    assert str(good) in e.value.message
+    assert control.policy_version() == "step-1" and control.weights()["weights"] == str(good)
     assert not control.status()["paused"]
     again, logprobs_again = greedy(mitm, "alive.1")  # served again, on the last good weights
     assert again == reply
     assert max(abs(x - y) for x, y in zip(logprobs, logprobs_again, strict=True)) < 1e-4
-    pushed = control.push_weights(str(new), "step-1")  # and the loop goes on
-    assert pushed["policy_version"] == "step-1"
+    pushed = control.push_weights(str(new), "step-2")  # and the loop goes on
+    assert pushed["policy_version"] == "step-2"
     moved, _ = greedy(mitm, "alive.2")
     rows = calls(mitm)
     stamps = [rows[r][0]["policy_version"] for r in ("alive.0", "alive.1", "alive.2")]
-    assert stamps == ["step-0", "step-0", "step-1"], moved
+    assert stamps == ["step-1", "step-1", "step-2"], moved
