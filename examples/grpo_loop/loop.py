@@ -51,7 +51,7 @@ from polar_mitm.control import ControlClient  # noqa: E402
 from polar_mitm.export import FORMATS, ExportOptions, build_records, export, select  # noqa: E402
 from polar_mitm.store import read_table  # noqa: E402
 
-MAX_TOKENS = (48, 40)  # first and second assistant turn
+MAX_TOKENS = (40, 32)  # first and second assistant turn
 
 
 def free_port() -> int:
@@ -145,6 +145,7 @@ class Stack:
             "confdir": self.confdir, "polar_output": self.data,
             "polar_upstream": f"http://127.0.0.1:{self.engine_port}", "polar_upstream_kind": "vllm",
             "polar_tokenizer": self.model, "polar_exact_prefix": "true",
+            "polar_output_parser": "hermes",  # ChatML, no reasoning block: SmolLM2's format
             "polar_control_token": self.token, "polar_control_listen": f"127.0.0.1:{self.control_port}",
             "polar_engine": "vllm-dev", "polar_engine_weights": self.model,
             "polar_engine_restart": restart, "polar_flush_seconds": 1,
@@ -223,7 +224,7 @@ class Stack:
 
 
 def one_rollout(stack: Stack, rollout_id: str, topic: str, word: str, task: str,
-                temperature: float) -> float:  # fmt: skip
+                temperature: float) -> tuple[float, str]:  # fmt: skip
     """Two assistant turns through the proxy; the reward of the second, posted to end it."""
     client = stack.client(rollout_id)
     messages: list[dict[str, str]] = [{"role": "user", "content": first_turn(topic)}]
@@ -244,7 +245,7 @@ def one_rollout(stack: Stack, rollout_id: str, topic: str, word: str, task: str,
             reply = c.choices[0].message.content or ""
         score = reward(task, word, reply)
         stack.control.end(rollout_id, reward=score)
-        return score
+        return score, reply
     except Exception:
         stack.control.end(rollout_id, reward=0.0, status="failed")
         raise
@@ -254,7 +255,7 @@ def one_rollout(stack: Stack, rollout_id: str, topic: str, word: str, task: str,
 
 def run_rollouts(
     stack: Stack, jobs: list[tuple[str, str, str]], task: str, temperature: float
-) -> list[float]:
+) -> list[tuple[float, str]]:
     with ThreadPoolExecutor(max_workers=16) as pool:
         futures = [pool.submit(one_rollout, stack, r, t, w, task, temperature) for r, t, w in jobs]
         return [f.result() for f in futures]
@@ -333,7 +334,7 @@ def main() -> None:
             t0 = time.monotonic()
             version = stack.control.policy_version() or "step-0"
             ev = [(f"eval{k}-h{i}.0", t, w) for i, (t, w) in enumerate(held)]
-            held_scores = run_rollouts(stack, ev, a.task, 0.0)
+            held_scores = [r for r, _ in run_rollouts(stack, ev, a.task, 0.0)]
             line: dict[str, Any] = {"iteration": k, "policy_version": version,
                                     "held_out_reward": sum(held_scores) / len(held_scores)}  # fmt: skip
             t1 = time.monotonic()
@@ -343,7 +344,9 @@ def main() -> None:
                 for g, (t, w) in enumerate(prompts)
                 for s in range(a.group_size)
             ]
-            scores = run_rollouts(stack, jobs, a.task, 1.0)
+            results = run_rollouts(stack, jobs, a.task, 1.0)
+            scores = [r for r, _ in results]
+            empties = sum(1 for _, text in results if not text.strip())
             t2 = time.monotonic()
             traces = iteration_traces(stack, f"it{k}-g", len(jobs))
             batch = a.out / "batches" / f"it{k}.npz"
@@ -360,7 +363,14 @@ def main() -> None:
             line.update({
                 "reward_mean": sum(scores) / len(scores),
                 "policy_tokens": policy_tokens,
-                "traces": {"trainable": len(traces) - sum(left_out.values()), "left_out": left_out},
+                "traces": {
+                    "trainable": len(traces) - sum(left_out.values()),
+                    "left_out": left_out,
+                    "rollouts_with_a_trainable_trace": len(
+                        {t["rollout_id"] for t in traces if t.get("trainable")}
+                    ),
+                    "replies_without_text": empties,
+                },
                 # the trainer's logprobs of the weights that sampled these rollouts against the
                 # proxy's captured ones: the check of the last push (iteration 0: of the start)
                 "exact_vs_captured": step["exact"],
@@ -368,7 +378,8 @@ def main() -> None:
                 "pushed": pushed and {"version": new_version, "seconds": pushed.get("seconds")},
                 "seconds": {"held_out": round(t1 - t0, 1), "rollouts": round(t2 - t1, 1),
                             "export": round(t3 - t2, 1), "train": round(t4 - t3, 1),
-                            "push": round(t5 - t4, 1)},
+                            "push": round(t5 - t4, 1),
+                            "trainer": {k: round(v, 1) for k, v in step.get("seconds", {}).items()}},
                 "peak_rss_mb": {"trainer": round(step.get("peak_rss_mb", 0)), "all": round(rss.peak_mb)},
             })  # fmt: skip
             lines.append(line)

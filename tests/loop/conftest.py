@@ -92,6 +92,7 @@ def pushing_mitm(engine: Engine, make_mitm) -> tuple[Mitm, ControlClient]:
         engine.url,
         polar_tokenizer=engine.weights,
         polar_exact_prefix="true",
+        polar_output_parser="hermes",  # ChatML without a reasoning block, as SmolLM2 writes
         polar_control_token=token,
         polar_control_listen=f"127.0.0.1:{port}",
         polar_engine="vllm-dev",

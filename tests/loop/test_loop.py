@@ -33,7 +33,8 @@ def test_a_short_loop(loop_setup, tmp_path):
         assert x["policy_version"] == f"step-{x['iteration']}"
         assert x["exact_vs_captured"]["mean_abs"] <= 1e-3, x
         assert x["first_step_ratios_in_0.8_1.25"] == 1.0, x
-        assert x["traces"]["trainable"] == GROUPS * SIZE, x
+        assert x["traces"]["rollouts_with_a_trainable_trace"] == GROUPS * SIZE, x
+        assert x["traces"]["replies_without_text"] == 0, x  # rewards read real replies
         assert x["policy_tokens"] > 0
     assert [x["pushed"]["version"] for x in its[:-1]] == [
         f"step-{k + 1}" for k in range(ITERATIONS)
