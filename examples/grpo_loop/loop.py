@@ -386,6 +386,8 @@ def main() -> None:
             print(json.dumps(line), flush=True)
             with (a.out / "iterations.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
+            # redrawn each iteration: a stopped run keeps its curve
+            plot(lines, a.out / "curve.png")
     finally:
         stack.stop()
         rss.stop()
