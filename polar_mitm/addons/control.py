@@ -9,6 +9,7 @@ from mitmproxy import ctx, http
 from ..control import DEFAULT_HOST, ControlAPI, ControlServer, ControlState, encode, parse_listen
 from ..metrics import MetricsAddon
 from ..trajectory.rollouts import Rollouts
+from ..upstream.weights import ENGINES
 from .options import _errors, log
 
 
@@ -59,8 +60,52 @@ class ControlAddon:
             "Policy version stamped on calls until the control plane sets another.",
         )
 
+        loader.add_option(
+            "polar_engine",
+            str,
+            "",
+            "The engine POST /v1/weights pushes checkpoints into: vllm-dev (a vLLM started with "
+            "VLLM_SERVER_DEV_MODE=1, on loopback). Empty: weight pushes are refused.",
+        )
+        loader.add_option(
+            "polar_engine_url",
+            str,
+            "",
+            "The engine's base URL for weight pushes (default: polar_upstream).",
+        )
+        loader.add_option(
+            "polar_engine_weights",
+            str,
+            "",
+            "The checkpoint folder the engine serves at start: the reference a pushed "
+            "checkpoint is checked against, and the last good weights to go back to.",
+        )
+        loader.add_option(
+            "polar_engine_restart",
+            str,
+            "",
+            "Command that starts the engine again (in the background, then returns) when it "
+            "died on a reload; POLAR_WEIGHTS holds the last good folder.",
+        )
+
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
+        engine_opts = {"polar_engine", "polar_engine_url", "polar_engine_restart", "polar_upstream"}
+        if updated & engine_opts:
+            self.api.engine = None
+            kind = opts.polar_engine.strip()
+            if kind and kind not in ENGINES:
+                _errors.fail(f"polar_engine: {kind!r} is not one of {', '.join(ENGINES)}")
+            elif kind:
+                url = opts.polar_engine_url or getattr(opts, "polar_upstream", "")
+                if not url.startswith(("http://", "https://")):
+                    _errors.fail(
+                        "polar_engine: set polar_engine_url (or polar_upstream) to its URL"
+                    )
+                else:
+                    self.api.engine = ENGINES[kind](url, restart=opts.polar_engine_restart)
+        if "polar_engine_weights" in updated:
+            self.api.weights = opts.polar_engine_weights or None
         if "polar_control_token" in updated:
             self.api.token = opts.polar_control_token
         if "polar_control_host" in updated:
