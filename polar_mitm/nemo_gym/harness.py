@@ -43,6 +43,10 @@ DEFAULT_BIN_DIR = (
     / ".bin"
 )
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Where scripts/install_py_harnesses.sh puts the PyPI harnesses, a venv each: <dir>/<name>/bin.
+DEFAULT_PY_DIR = Path(
+    os.environ.get("POLAR_PY_HARNESS_DIR") or Path.home() / ".cache" / "polar-mitm" / "py-harnesses"
+)
 
 
 OPENAI_BASE_URL = "https://api.openai.com/v1"  # the real host: the proxy captures it there
@@ -117,10 +121,17 @@ class Harness:
     # (HOME, model, bin dir): the harness's config files, written before each run
     configure: Callable[[Path, str, Path], None] = lambda home, model, bin_dir: None
     extra_env: dict[str, str] = field(default_factory=dict)
+    venv: str | None = None  # a PyPI harness: its venv's name under DEFAULT_PY_DIR
+
+    def executable(self, bin_dir: Path) -> Path:
+        """The npm install's bin dir holds the npm harnesses; a PyPI one is in its own venv."""
+        if self.venv is not None:
+            return DEFAULT_PY_DIR / self.venv / "bin" / self.binary
+        return bin_dir / self.binary
 
     def argv(self, bin_dir: Path, model: str, prompt: str) -> list[str]:
         fill = {MODEL: model, PROMPT: prompt}
-        return [str(bin_dir / self.binary), *(fill.get(a, a) for a in self.args)]
+        return [str(self.executable(bin_dir)), *(fill.get(a, a) for a in self.args)]
 
 
 HARNESSES: dict[str, Harness] = {
@@ -171,6 +182,40 @@ HARNESSES: dict[str, Harness] = {
         ("--yolo", "-p", PROMPT),
         # Headless runs refuse an untrusted workspace (the fresh one) without this.
         extra_env={"GEMINI_CLI_TRUST_WORKSPACE": "true"},
+    ),
+    "mini-swe-agent": Harness(
+        "mini-swe-agent",
+        "mini",
+        "OPENAI_API_KEY",
+        # LiteLLM's OpenAI provider at its default host; mini.yaml is the packaged config,
+        # --exit-immediately ends the run at the agent's COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT.
+        ("--yolo", "--model", "openai/" + MODEL, "--cost-limit", "0", "--exit-immediately")
+        + ("-c", "mini.yaml", "--task", PROMPT),
+        extra_env={
+            "MSWEA_CONFIGURED": "true",  # no first-run wizard
+            "MSWEA_COST_TRACKING": "ignore_errors",  # the policy's name has no price
+            # else LiteLLM fetches its price map from GitHub at import (outside the capture)
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        },
+        venv="mini-swe-agent",
+    ),
+    "openhands": Harness(
+        "openhands",
+        "python",
+        "OPENAI_API_KEY",
+        (str(Path(__file__).with_name("openhands_runner.py")), MODEL, PROMPT),
+        extra_env={"OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        venv="openhands",
+    ),
+    "hermes": Harness(
+        "hermes",
+        "hermes",
+        "OPENAI_API_KEY",
+        # -z: one shot, the final answer on stdout; the custom provider at the real host (its
+        # key is OPENAI_API_KEY because the host is OpenAI's)
+        ("--provider", "custom", "--model", MODEL, "--yolo", "-z", PROMPT),
+        extra_env={"CUSTOM_BASE_URL": OPENAI_BASE_URL},
+        venv="hermes",
     ),
 }
 
