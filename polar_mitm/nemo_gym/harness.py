@@ -108,6 +108,15 @@ def _opencode_configure(home: Path, model: str, bin_dir: Path) -> None:
     (folder / "opencode.json").write_text(json.dumps(config, indent=2))
 
 
+def _kilo_configure(home: Path, model: str, bin_dir: Path) -> None:
+    """Kilo Code CLI is OpenCode's fork: the same configuration, read from
+    ~/.config/kilo/kilo.json."""
+    _opencode_configure(home, model, bin_dir)
+    folder = home / ".config" / "kilo"
+    folder.mkdir(parents=True, exist_ok=True)
+    (home / ".config" / "opencode" / "opencode.json").rename(folder / "kilo.json")
+
+
 # Placeholders in a harness's arguments, filled in for each run.
 MODEL, PROMPT = "{model}", "{prompt}"
 
@@ -216,6 +225,23 @@ HARNESSES: dict[str, Harness] = {
         ("--provider", "custom", "--model", MODEL, "--yolo", "-z", PROMPT),
         extra_env={"CUSTOM_BASE_URL": OPENAI_BASE_URL},
         venv="hermes",
+    ),
+    "cline": Harness(
+        "cline",
+        "cline",
+        "OPENAI_API_KEY",
+        # the OpenAI-compatible provider: chat completions at api.openai.com/v1, its key from
+        # OPENAI_API_KEY; act mode, every tool auto-approved (the default with a prompt)
+        ("--provider", "openai-compatible", "--model", MODEL, PROMPT),
+    ),
+    "kilo": Harness(
+        "kilo",
+        "kilo",
+        "OPENAI_API_KEY",
+        ("run", PROMPT),
+        configure=_kilo_configure,
+        # OpenCode's switches under Kilo's names: no model catalogue fetch, no update check
+        extra_env={"KILO_DISABLE_MODELS_FETCH": "1", "KILO_DISABLE_AUTOUPDATE": "1"},
     ),
 }
 

@@ -136,6 +136,8 @@ _ALL = (
     _as_the_agent_runs_it("mini-swe-agent", "mini-swe-agent", "chat"),
     _as_the_agent_runs_it("openhands", "openhands-sdk", "chat"),
     _as_the_agent_runs_it("hermes", "hermes-agent", "chat"),
+    _as_the_agent_runs_it("cline", "cline", "chat"),
+    _as_the_agent_runs_it("kilo", "@kilocode/cli", "chat"),
 )
 # The harnesses the selected pins hold (the previous release's pins have no Qwen Code, OpenCode
 # or Gemini CLI).

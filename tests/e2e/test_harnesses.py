@@ -55,6 +55,8 @@ ROLLOUTS = {
     "mini-swe-agent": ("harness-mini.6", "api_key"),
     "openhands": ("harness-openhands.7", "api_key"),
     "hermes": ("harness-hermes.8", "api_key"),
+    "cline": ("harness-cline.9", "api_key"),
+    "kilo": ("harness-kilo.10", "api_key"),
 }
 # How each rollout ends: through the control plane with a reward (what a trainer does once it has
 # scored the workdir), or, left open, at proxy shutdown as `incomplete`. Both paths are run.
@@ -69,6 +71,8 @@ ENDED_BY = {
     "mini-swe-agent": "control",
     "openhands": "shutdown",
     "hermes": "control",
+    "cline": "control",
+    "kilo": "shutdown",
 }
 CONTROL_TOKEN = "e2e-control-token"
 # vLLM's refusal of an output cap (Claude Code asks 128000): 0.33's of a cap above max_model_len,
@@ -82,7 +86,7 @@ CAP_REFUSED = re.compile(
 # second main call re-renders the first one (see assert_rerendered). mini-SWE-agent (LiteLLM) hands
 # back the content before its tool call as streamed, its trailing "\n" included, where the
 # template adds one more.
-HANDS_BACK_WHITESPACE = {"qwen", "opencode", "mini-swe-agent"}
+HANDS_BACK_WHITESPACE = {"qwen", "opencode", "mini-swe-agent", "cline", "kilo"}
 # Log lines that are expected and are not API errors.
 KNOWN_NOISE = {
     # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.
