@@ -61,7 +61,19 @@ class StartProxyConfig(BaseModel):
 
 class PolarMitmAgentConfig(BaseResponsesAPIAgentConfig):
     resources_server: ResourcesServerRef
-    harness: Literal["pi", "claude", "codex", "qwen", "opencode", "gemini"] = "pi"
+    harness: Literal[
+        "pi",
+        "claude",
+        "codex",
+        "qwen",
+        "opencode",
+        "gemini",
+        "mini-swe-agent",
+        "openhands",
+        "hermes",
+        "cline",
+        "kilo",
+    ] = "pi"
     harness_bin_dir: str | None = None  # default: where scripts/install_harnesses.sh puts them
     model: str = DEFAULT_MODEL  # the name the harness asks for (the proxy sends the policy's)
     proxy: str | None = None  # the polar-mitm proxy as the harness reaches it: http://HOST:PORT
