@@ -134,8 +134,8 @@ _ALL = (
     _as_the_agent_runs_it("opencode", "opencode-ai", "chat"),
     _as_the_agent_runs_it("gemini", "@google/gemini-cli", "gemini"),
     _as_the_agent_runs_it("mini-swe-agent", "mini-swe-agent", "chat"),
-    _as_the_agent_runs_it("openhands", "openhands-sdk", "chat"),
-    _as_the_agent_runs_it("hermes", "hermes-agent", "chat"),
+    _as_the_agent_runs_it("openhands", "openhands-sdk", "responses"),
+    _as_the_agent_runs_it("hermes", "hermes-agent", "responses"),
     _as_the_agent_runs_it("cline", "cline", "chat"),
     _as_the_agent_runs_it("kilo", "@kilocode/cli", "chat"),
 )
