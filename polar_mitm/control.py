@@ -60,6 +60,14 @@ TOKEN_HEADER = "x-polar-control-token"
 _BODY_LIMIT = 1 << 20
 
 SETTLE_S = 10.0  # at most this long for pending checks before a rollout ends
+# What ending a rollout with no captured call answers (404): the harness never reached the
+# proxy, and a trainer that scored its workdir anyway would train on nothing.
+ENDED_EMPTY = (
+    "rollout {id!r} ended with zero captured calls: its harness never went through the proxy "
+    "(proxy variables not honoured, a base URL that bypasses the proxy, or NO_PROXY covering "
+    'the model\'s host; see docs/harnesses.md, "A rollout that captured nothing"); '
+    "nothing was recorded to train on"
+)
 
 
 class ControlState:
@@ -80,6 +88,7 @@ class ControlState:
         self.waiting = 0
         self.resumed_at = 0.0  # time.monotonic() of the last resume: idle clocks restart there
         self.in_flight: dict[str, str] = {}  # call_id -> rollout_id
+        self.ended_empty = 0  # ends asked for rollouts without a captured call (/metrics)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -276,6 +285,10 @@ class ControlAPI:
                 if self.settle is not None:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.settle(), SETTLE_S)
+                if self.rollouts.get(rollout_id) is None:
+                    state.ended_empty += 1
+                    log.error("polar-mitm: " + ENDED_EMPTY.format(id=rollout_id))
+                    raise _Refused(404, ENDED_EMPTY.format(id=rollout_id))
                 rollout = self.rollouts.end(
                     rollout_id, reward=data.get("reward"), status=data.get("status", "completed")
                 )

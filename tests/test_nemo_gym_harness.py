@@ -35,10 +35,16 @@ def stand_in(bin_dir: Path, name: str) -> None:
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
 
 
+@pytest.fixture(autouse=True)
+def py_harness_dir(monkeypatch, tmp_path):
+    """The PyPI harnesses' venvs (stand-ins too) under tmp_path, not the real cache."""
+    monkeypatch.setattr(agent, "DEFAULT_PY_DIR", tmp_path / "py-harnesses")
+
+
 def run(tmp_path: Path, name: str, bin_dir: Path | None = None) -> dict:
     h = agent.HARNESSES[name]
     bin_dir = bin_dir or tmp_path / "node_modules" / ".bin"
-    stand_in(bin_dir, h.binary)
+    stand_in(h.executable(bin_dir).parent, h.binary)
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()

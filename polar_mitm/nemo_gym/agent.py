@@ -15,6 +15,8 @@ Per ``POST /run`` (one row of ``gym eval run``, one sample of a task):
    trace comes back as Gym output items: each call's whole prompt ids, sampled ids and log probs
    (`items.output_items`), plus the trace's trainability in the ``polar`` field.
 
+A harness that finished with zero captured calls (it never went through the proxy) is not
+scored: its rollout fails with the likely cause named (captured.py), logged as an error.
 Every failure (harness missing, non-zero exit, time-out, proxy unreachable, no trace) gives a
 rollout with reward 0 and a ``polar.reason``, never a failed ``/run``: one bad sample must not
 end a Gym collection. The control token is read from an environment variable, never from the
@@ -24,6 +26,7 @@ config: Gym puts the merged config in every server's environment and on its head
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -39,9 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..control import ControlClient, ControlError
 from ..trajectory.traceview import main_trace
+from .captured import captured_calls, empty_rollout_error
 from .harness import DEFAULT_BIN_DIR, DEFAULT_MODEL, HARNESSES, harness_env, run_harness
 from .items import STATUS, output_items, response
 from .own_proxy import OwnProxy, ProxyStartError, launch, wait_ready
+
+log = logging.getLogger(__name__)
 
 
 class StartProxyConfig(BaseModel):
@@ -55,7 +61,19 @@ class StartProxyConfig(BaseModel):
 
 class PolarMitmAgentConfig(BaseResponsesAPIAgentConfig):
     resources_server: ResourcesServerRef
-    harness: Literal["pi", "claude", "codex", "qwen", "opencode", "gemini"] = "pi"
+    harness: Literal[
+        "pi",
+        "claude",
+        "codex",
+        "qwen",
+        "opencode",
+        "gemini",
+        "mini-swe-agent",
+        "openhands",
+        "hermes",
+        "cline",
+        "kilo",
+    ] = "pi"
     harness_bin_dir: str | None = None  # default: where scripts/install_harnesses.sh puts them
     model: str = DEFAULT_MODEL  # the name the harness asks for (the proxy sends the policy's)
     proxy: str | None = None  # the polar-mitm proxy as the harness reaches it: http://HOST:PORT
@@ -208,7 +226,13 @@ class PolarMitmAgent(SimpleResponsesAPIAgent):
             info.update(harness_returncode=ran.returncode, harness_seconds=round(ran.seconds, 3))
             reason = ran.error
             verdict: dict[str, Any] = {}
-            if reason is None:
+            if await asyncio.to_thread(captured_calls, self.control(), rollout_id) == 0:
+                # It never went through the proxy: failed loudly, never scored (captured.py).
+                info["captured_calls"] = 0
+                reason = empty_rollout_error(harness.name, rollout_id, env)
+                reason += f" ({ran.error})" if ran.error else ""
+                log.error("polar_mitm_agent: %s", reason)
+            elif reason is None:
                 # Score what the harness left: the response Gym's verify type wants is the
                 # trace as it is now (the final one, with the reward, comes after the end).
                 snapshot = await self._trace(rollout_id, info)

@@ -43,6 +43,10 @@ DEFAULT_BIN_DIR = (
     / ".bin"
 )
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Where scripts/install_py_harnesses.sh puts the PyPI harnesses, a venv each: <dir>/<name>/bin.
+DEFAULT_PY_DIR = Path(
+    os.environ.get("POLAR_PY_HARNESS_DIR") or Path.home() / ".cache" / "polar-mitm" / "py-harnesses"
+)
 
 
 OPENAI_BASE_URL = "https://api.openai.com/v1"  # the real host: the proxy captures it there
@@ -104,6 +108,15 @@ def _opencode_configure(home: Path, model: str, bin_dir: Path) -> None:
     (folder / "opencode.json").write_text(json.dumps(config, indent=2))
 
 
+def _kilo_configure(home: Path, model: str, bin_dir: Path) -> None:
+    """Kilo Code CLI is OpenCode's fork: the same configuration, read from
+    ~/.config/kilo/kilo.json."""
+    _opencode_configure(home, model, bin_dir)
+    folder = home / ".config" / "kilo"
+    folder.mkdir(parents=True, exist_ok=True)
+    (home / ".config" / "opencode" / "opencode.json").rename(folder / "kilo.json")
+
+
 # Placeholders in a harness's arguments, filled in for each run.
 MODEL, PROMPT = "{model}", "{prompt}"
 
@@ -117,10 +130,17 @@ class Harness:
     # (HOME, model, bin dir): the harness's config files, written before each run
     configure: Callable[[Path, str, Path], None] = lambda home, model, bin_dir: None
     extra_env: dict[str, str] = field(default_factory=dict)
+    venv: str | None = None  # a PyPI harness: its venv's name under DEFAULT_PY_DIR
+
+    def executable(self, bin_dir: Path) -> Path:
+        """The npm install's bin dir holds the npm harnesses; a PyPI one is in its own venv."""
+        if self.venv is not None:
+            return DEFAULT_PY_DIR / self.venv / "bin" / self.binary
+        return bin_dir / self.binary
 
     def argv(self, bin_dir: Path, model: str, prompt: str) -> list[str]:
         fill = {MODEL: model, PROMPT: prompt}
-        return [str(bin_dir / self.binary), *(fill.get(a, a) for a in self.args)]
+        return [str(self.executable(bin_dir)), *(fill.get(a, a) for a in self.args)]
 
 
 HARNESSES: dict[str, Harness] = {
@@ -171,6 +191,57 @@ HARNESSES: dict[str, Harness] = {
         ("--yolo", "-p", PROMPT),
         # Headless runs refuse an untrusted workspace (the fresh one) without this.
         extra_env={"GEMINI_CLI_TRUST_WORKSPACE": "true"},
+    ),
+    "mini-swe-agent": Harness(
+        "mini-swe-agent",
+        "mini",
+        "OPENAI_API_KEY",
+        # LiteLLM's OpenAI provider at its default host; mini.yaml is the packaged config,
+        # --exit-immediately ends the run at the agent's COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT.
+        ("--yolo", "--model", "openai/" + MODEL, "--cost-limit", "0", "--exit-immediately")
+        + ("-c", "mini.yaml", "--task", PROMPT),
+        extra_env={
+            "MSWEA_CONFIGURED": "true",  # no first-run wizard
+            "MSWEA_COST_TRACKING": "ignore_errors",  # the policy's name has no price
+            # else LiteLLM fetches its price map from GitHub at import (outside the capture)
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        },
+        venv="mini-swe-agent",
+    ),
+    "openhands": Harness(
+        "openhands",
+        "python",
+        "OPENAI_API_KEY",
+        (str(Path(__file__).with_name("openhands_runner.py")), MODEL, PROMPT),
+        extra_env={"OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        venv="openhands",
+    ),
+    "hermes": Harness(
+        "hermes",
+        "hermes",
+        "OPENAI_API_KEY",
+        # -z: one shot, the final answer on stdout; the custom provider at the real host (its
+        # key is OPENAI_API_KEY because the host is OpenAI's)
+        ("--provider", "custom", "--model", MODEL, "--yolo", "-z", PROMPT),
+        extra_env={"CUSTOM_BASE_URL": OPENAI_BASE_URL},
+        venv="hermes",
+    ),
+    "cline": Harness(
+        "cline",
+        "cline",
+        "OPENAI_API_KEY",
+        # the OpenAI-compatible provider: chat completions at api.openai.com/v1, its key from
+        # OPENAI_API_KEY; act mode, every tool auto-approved (the default with a prompt)
+        ("--provider", "openai-compatible", "--model", MODEL, PROMPT),
+    ),
+    "kilo": Harness(
+        "kilo",
+        "kilo",
+        "OPENAI_API_KEY",
+        ("run", PROMPT),
+        configure=_kilo_configure,
+        # OpenCode's switches under Kilo's names: no model catalogue fetch, no update check
+        extra_env={"KILO_DISABLE_MODELS_FETCH": "1", "KILO_DISABLE_AUTOUPDATE": "1"},
     ),
 }
 

@@ -27,12 +27,21 @@ INSTALL = ROOT / "scripts" / "install_harnesses.sh"
 INSTALL_LOCK = (
     Path.home() / ".cache" / "polar-mitm" / ".harness-install.lock"
 )  # scripts/test.sh's too
+PY_INSTALL = ROOT / "scripts" / "install_py_harnesses.sh"
+PY_INSTALL_LOCK = INSTALL_LOCK.with_name(".py-harness-install.lock")  # scripts/test.sh's too
 PIN_SETS = {"current": "", "previous": "previous"}
 PIN_SET = os.environ.get("POLAR_HARNESS_PINS") or "current"
 if PIN_SET not in PIN_SETS:
     raise ValueError(f"POLAR_HARNESS_PINS={PIN_SET!r}: want one of {', '.join(PIN_SETS)}")
 PIN_FILE = ROOT / "tests" / "e2e" / "npm" / PIN_SETS[PIN_SET] / "package.json"
 PINS = json.loads(PIN_FILE.read_text())["dependencies"]
+# The PyPI harnesses (scripts/install_py_harnesses.sh; one pin set: the previous pins hold none)
+PY_PIN_FILE = ROOT / "tests" / "e2e" / "pypi" / "pins.txt"
+if PIN_SET == "current":
+    for _line in PY_PIN_FILE.read_text().splitlines():
+        if _line.strip() and not _line.startswith("#"):
+            _package, _, _version = _line.split()[2].partition("==")
+            PINS[_package] = _version
 # Pi moved scope at 1.0: the deprecated one is the previous pins'.
 PI_PACKAGE = next(
     (p for p in ("@earendil-works/pi-coding-agent", "@mariozechner/pi-coding-agent") if p in PINS),
@@ -53,18 +62,25 @@ class InstallError(RuntimeError):
 
 
 def install() -> Path:
-    """Run the install script (idempotent: a stamp check when nothing changed); the bin dir.
-    One install at a time per machine (pytest-xdist workers, scripts/test.sh): INSTALL_LOCK."""
-    INSTALL_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(INSTALL_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        r = subprocess.run([str(INSTALL)], capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        raise InstallError(
-            f"{INSTALL.name} failed (rc={r.returncode}): the pinned harnesses could not be "
-            f"installed:\n{r.stderr[-4000:]}"
-        )
-    return Path(r.stdout.strip().splitlines()[-1])
+    """Run the install scripts (idempotent: a stamp check when nothing changed); the npm bin dir
+    (the PyPI harnesses' venvs are where `agent_harness.DEFAULT_PY_DIR` says). One install at a
+    time per machine and per script (pytest-xdist workers, scripts/test.sh): the locks."""
+    scripts = [(INSTALL, INSTALL_LOCK)]
+    if PIN_SET == "current":
+        scripts.append((PY_INSTALL, PY_INSTALL_LOCK))
+    out = ""
+    for script, lock_file in scripts:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_file, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            r = subprocess.run([str(script)], capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            raise InstallError(
+                f"{script.name} failed (rc={r.returncode}): the pinned harnesses could not be "
+                f"installed:\n{r.stderr[-4000:]}"
+            )
+        out = out or r.stdout
+    return Path(out.strip().splitlines()[-1])
 
 
 def parse_env(lines: str) -> dict[str, str]:
@@ -117,6 +133,11 @@ _ALL = (
     _as_the_agent_runs_it("qwen", "@qwen-code/qwen-code", "chat"),
     _as_the_agent_runs_it("opencode", "opencode-ai", "chat"),
     _as_the_agent_runs_it("gemini", "@google/gemini-cli", "gemini"),
+    _as_the_agent_runs_it("mini-swe-agent", "mini-swe-agent", "chat"),
+    _as_the_agent_runs_it("openhands", "openhands-sdk", "responses"),
+    _as_the_agent_runs_it("hermes", "hermes-agent", "responses"),
+    _as_the_agent_runs_it("cline", "cline", "chat"),
+    _as_the_agent_runs_it("kilo", "@kilocode/cli", "chat"),
 )
 # The harnesses the selected pins hold (the previous release's pins have no Qwen Code, OpenCode
 # or Gemini CLI).

