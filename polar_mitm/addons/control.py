@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from mitmproxy import ctx, http
 
 from ..control import DEFAULT_HOST, ControlAPI, ControlServer, ControlState, encode, parse_listen
+from ..control_client import control_token
 from ..metrics import MetricsAddon
 from ..trajectory.rollouts import Rollouts
 from .options import _errors, log
@@ -36,7 +37,8 @@ class ControlAddon:
             str,
             "",
             "Bearer token for the control plane (end rollouts with a reward, policy version, "
-            "pause/resume). Without it the control plane refuses every request.",
+            "pause/resume). Empty: $POLAR_CONTROL_TOKEN, else the file $POLAR_CONTROL_TOKEN_FILE "
+            "names (neither shows in `ps`). Without any, the control plane refuses every request.",
         )
         loader.add_option(
             "polar_control_host",
@@ -62,7 +64,10 @@ class ControlAddon:
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
         if "polar_control_token" in updated:
-            self.api.token = opts.polar_control_token
+            try:
+                self.api.token = opts.polar_control_token or control_token()
+            except ValueError as e:
+                _errors.fail(f"polar_control_token: {e}")
         if "polar_control_host" in updated:
             self.host = opts.polar_control_host.strip().lower() or DEFAULT_HOST
         if "polar_policy_version" in updated:

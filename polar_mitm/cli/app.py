@@ -19,7 +19,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from ..certs import DEFAULT_CONFDIR, ensure_ca, env_lines
+from ..certs import CONFDIR_VARIABLE, ensure_ca, env_lines, existing_ca
 from ..export import FORMATS
 
 console = Console()
@@ -60,17 +60,20 @@ def main() -> None:
     """Capture token-exact RL training data from unmodified coding-agent harnesses."""
 
 
-@main.command()
-@click.option(
-    "--confdir",
-    type=click.Path(file_okay=False),
-    default=str(DEFAULT_CONFDIR),
-    show_default=True,
-    help="mitmproxy confdir holding the CA.",
+CONFDIR_HELP = (
+    f"The proxy's CA folder (mitmproxy confdir). Default: ${CONFDIR_VARIABLE}, else the user's "
+    "config folder ($XDG_CONFIG_HOME/polar-mitm or ~/.config/polar-mitm), the proxy's default too."
 )
-def certs(confdir: str) -> None:
+
+
+@main.command()
+@click.option("--confdir", type=click.Path(file_okay=False), default=None, help=CONFDIR_HELP)
+def certs(confdir: str | None) -> None:
     """Create the proxy's CA (once) and print the certificate path harnesses must trust."""
-    click.echo(ensure_ca(confdir))
+    try:
+        click.echo(ensure_ca(confdir))
+    except OSError as e:
+        fail(f"cannot create the CA in {confdir}: {e}")
 
 
 @main.command()
@@ -87,11 +90,10 @@ def certs(confdir: str) -> None:
 @click.option(
     "--confdir",
     type=click.Path(file_okay=False),
-    default=str(DEFAULT_CONFDIR),
-    show_default=True,
-    help="mitmproxy confdir holding the CA.",
+    default=None,
+    help=CONFDIR_HELP + " A folder given here must already hold the CA.",
 )
-def env(proxy: str, rollout: str | None, confdir: str) -> None:
+def env(proxy: str, rollout: str | None, confdir: str | None) -> None:
     """Print the `export` lines a harness container needs to go through the proxy.
 
     Source them (`eval "$(polar-mitm env --proxy http://HOST:8080 --rollout task.0)"`) or pass
@@ -99,8 +101,9 @@ def env(proxy: str, rollout: str | None, confdir: str) -> None:
     (mount the confdir), or copy it and change the paths.
     """
     try:
-        lines = env_lines(proxy, ensure_ca(confdir), rollout)
-    except ValueError as e:
+        ca = existing_ca(confdir) if confdir else ensure_ca()
+        lines = env_lines(proxy, ca, rollout)
+    except (OSError, ValueError) as e:
         fail(str(e))
     click.echo("\n".join(lines))
 
@@ -431,19 +434,18 @@ def export(
         )
     except (OSError, ValueError) as e:
         fail(f"cannot write {out}: {e}")
-    err = click.get_text_stream("stderr")
     click.echo(
         f"wrote {result.records} {fmt} record(s) of {result.rollouts} rollout(s), "
         f"{result.policy_tokens} policy tokens, to {out}"
     )
     for why, n in skipped.items():
         hint = " (--role to include)" if why.startswith("role ") else ""
-        click.echo(f"left out {n} trace(s): {why}{hint}", file=err)
+        click.echo(f"left out {n} trace(s): {why}{hint}", err=True)
     if result.without_reward:
         click.echo(
             f"warning: {result.without_reward} record(s) have no reward "
             "(end the rollout with one, or polar-mitm reward DIR FILE)",
-            file=err,
+            err=True,
         )
 
 
@@ -608,6 +610,10 @@ def _register_optional() -> None:
     LazyGroup.lazy["policy-server"] = "polar_mitm.policy_server.cli:policy_server"
     LazyGroup.lazy["top"] = "polar_mitm.cli.top:top"
     LazyGroup.lazy["sql"] = "polar_mitm.cli.sql:sql"
+    LazyGroup.lazy["addon"] = "polar_mitm.cli.proxy:addon"
+    LazyGroup.lazy["proxy"] = "polar_mitm.cli.proxy:proxy"
+    LazyGroup.lazy["status"] = "polar_mitm.cli.control_cmds:status"
+    LazyGroup.lazy["end"] = "polar_mitm.cli.control_cmds:end"
 
 
 _register_optional()

@@ -316,7 +316,7 @@ def test_every_command_has_complete_help():
         "summary": ["--json", "--plain", "--groups", "GRPO group"],
         "calls": ["--rollout", "--json", "--plain", "ttfb"],
         "fidelity": ["--json", "--plain", "--examples"],
-        "top": ["--proxy", "--token", "--interval", "--once", "/metrics"],
+        "top": ["--control", "--token-file", "--interval", "--once", "/metrics"],
         "show": ["--trace", "--ids", "--logprobs", "--tokenizer", "--pager", "main trace"],
         "export": ["slime", "verl", "nemo-gym", "jsonl", "--all", "--role", "--out"],
         "reward": ["rollout_id", "revision", "--skip-unknown", "--dry-run", "--journal"],
