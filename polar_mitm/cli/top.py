@@ -9,6 +9,7 @@ buckets since the proxy started (as Prometheus' ``histogram_quantile`` interpola
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import urllib.error
@@ -228,6 +229,12 @@ def render(now: Sequence[Scrape], before: dict[str, Scrape], console: Console) -
     is_flag=True,
     help="Print one frame and exit (for scripts and pipes); exit 1 when a proxy is unreachable.",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="With --once: JSON lines, one object per proxy and per call kind (the frame's figures).",
+)
 def top(
     controls: tuple[str, ...],
     more: tuple[str, ...],
@@ -235,6 +242,7 @@ def top(
     token_file: str | None,
     interval: float,
     once: bool,
+    as_json: bool,
 ) -> None:
     """A live view of running proxies: calls, rates, tokens, latency, fidelity flags, journal
     lag, from each one's Prometheus /metrics. Ctrl-C quits."""
@@ -255,9 +263,19 @@ def top(
         fail(str(e))
     console = Console()
     before: dict[str, Scrape] = {}
+    if as_json and not once:
+        fail("--json needs --once (a live view is for a terminal)")
     if once:
         frame = [scrape(u, token) for u in urls]
-        emit(listings(frame, before), console=console)
+        if as_json:
+            for listing in listings(frame, before):
+                names = [c.name for c in listing.columns]
+                for row in listing.rows:
+                    click.echo(
+                        json.dumps({"listing": listing.title, **dict(zip(names, row, strict=True))})
+                    )
+        else:
+            emit(listings(frame, before), console=console)
         down = [s for s in frame if s.error]
         if down:
             fail("; ".join(f"{s.url}: {s.error}" for s in down))

@@ -339,7 +339,7 @@ def test_every_command_has_complete_help():
 def test_calls_json_and_table(data, truth):
     result = cli("calls", str(data), "--rollout", "bad.0", "--json")
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.output)
+    rows = [json.loads(line) for line in result.output.splitlines()]  # one call per line
     expected = sorted(of(truth["calls"], "bad.0"), key=lambda c: c["started_at"])
     assert [r["call_id"] for r in rows] == [c["call_id"] for c in expected]
     bad, good = rows
