@@ -154,7 +154,7 @@ def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> No
     full width; on a terminal columns are left out rather than ids cut (--json has them all).
     """
     from . import captured, chaintree
-    from .listing import emit
+    from .listing import emit, terminal_width
     from .summary import summarize
     from .tables import anonymous_note, group_listing, rollout_listing, totals_line
 
@@ -181,7 +181,8 @@ def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> No
         if len(rows) > 1:
             console.print(chaintree.tree(rollout_id, rows))
     # last, where eyes land; one line, never folded (a pipe's grep / tail -1 finds it whole)
-    console.print(totals_line(result), markup=False, highlight=False, soft_wrap=True)
+    piped = terminal_width(console) is None
+    console.print(totals_line(result), markup=False, highlight=False, soft_wrap=piped)
 
 
 def _trees(traces: Any) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -309,6 +310,7 @@ def show(
     """
     from ..trajectory.traceview import pick_trace
     from . import captured
+    from .listing import terminal_width
     from .show import render
     from .token_text import token_pieces
 
@@ -355,11 +357,12 @@ def show(
             for part in parts:
                 console.print(part)
         return
-    for part in parts:  # piped: the text as it decodes, never folded at the console's width
-        console.print(part, soft_wrap=not console.is_terminal and isinstance(part, Text))
+    piped = terminal_width(console) is None  # no terminal, no COLUMNS: the natural width
+    for part in parts:  # piped: the text as it decodes, never folded at rich's default 80
+        console.print(part, soft_wrap=piped and isinstance(part, Text))
 
 
-@main.command(short_help="Traces in slime / verl / NeMo Gym / JSONL format.")
+@main.command(short_help="Traces in slime / verl / NeMo Gym / JSONL / Parquet format.")
 @DIRECTORY
 @click.option(
     "--format",
@@ -409,6 +412,8 @@ def export(
     nemo-gym  JSONL of NeMo Gym rollout results: per-turn prompt_token_ids,
               generation_token_ids, generation_log_probs
     jsonl     the trace rows as JSON lines (schema column names) with per-call segments
+    parquet   one row per trace (its latest revision and reward), schema column names:
+              datasets.load_dataset("parquet"), Ray Data and DuckDB read it as is
 
     By default only trainable, completed traces go out (--all for every one). A tokenizer
     fills the text fields (slime prompt/response, NeMo Gym output text); the ids are

@@ -273,7 +273,10 @@ def test_plain_is_tsv_and_json_parses(data, truth, command):
     else:
         assert {r["dialect"] for r in table} == {c["dialect"] for c in truth["calls"]}
         assert all(r["with tokenizer"] == "0" for r in table)  # positions only: not checked
-    assert json.loads(run(command, str(data), "--json").stdout)
+    out = run(command, str(data), "--json").stdout  # calls: JSON lines, one call each
+    assert (
+        [json.loads(line) for line in out.splitlines()] if command == "calls" else json.loads(out)
+    )
 
 
 def test_errors_a_user_meets_are_one_line(data, tmp_path):

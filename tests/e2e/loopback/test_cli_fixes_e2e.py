@@ -36,7 +36,7 @@ def data(tmp_path_factory: pytest.TempPathFactory, confdir: Path) -> Path:
 
 
 def run(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-    """The installed script in a real process, its stdout a pipe, 80 columns."""
+    """The installed script in a real process, its stdout a pipe (no COLUMNS: `| less`)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("POLAR_TOKENIZER", "COLUMNS")}
     clean.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
     return subprocess.run(
@@ -45,7 +45,7 @@ def run(*args: str, cwd: Path | None = None, **env: str) -> subprocess.Completed
         text=True,
         timeout=120,
         cwd=cwd,
-        env={**clean, "COLUMNS": "80", **env},
+        env={**clean, **env},
     )
 
 
@@ -62,7 +62,7 @@ def test_show_piped_marks_the_policy_tokens_and_does_not_fold(data: Path):
     assert legend in shown.stdout
     out = shown.stdout.split(legend, 1)[1]
     assert out.count(POLICY_OPEN) == out.count(POLICY_CLOSE) == len(sampled) >= 2
-    assert max(len(line) for line in out.splitlines()) > 80  # not folded at the pipe's 80
+    assert max(len(line) for line in out.splitlines()) > 80  # not folded at rich's default 80
     # the first call's sampled text, whole, between the marks (its tool call, on one line)
     span = out.split(POLICY_OPEN, 1)[1].split(POLICY_CLOSE, 1)[0]
     assert "<tool_call>" in span and '{"name": "run_shell"' in span
@@ -140,3 +140,35 @@ def test_summary_ends_with_its_totals(data: Path):
     last = [line for line in shown.stdout.splitlines() if line.strip()][-1]
     rollouts = len({r["rollout_id"] for r in read_table(str(data), "calls").to_pylist()})
     assert last.startswith(f"total: {rollouts} rollout(s)"), last
+
+
+def test_proxy_takes_the_control_token_from_a_file_never_its_command_line(
+    tmp_path: Path, make_policy_server
+):
+    """`polar-mitm proxy --control-token-file`: the proxy answers that token, `ps` never shows
+    it, and `status` / `end` read it from a file as well."""
+    from tests.helpers.procs import Proc, free_port
+
+    server = make_policy_server()
+    secret = "s3cret-" + os.urandom(8).hex()
+    token = tmp_path / "token"
+    token.write_text(secret + "\n")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POLAR_")}
+    env["POLAR_MITM_CONFDIR"] = str(tmp_path / "ca")
+    args = [POLAR, "proxy", "--upstream", server.url, "--output", str(tmp_path / "data")]
+    args += ["--listen-port", str(port), "--control-token-file", str(token)]
+    proxy = Proc(args, tmp_path / "proxy.log", env=env)
+    try:
+        proxy.wait_for("polar-mitm: capturing", timeout=90)
+        cmdline = Path(f"/proc/{proxy.popen.pid}/cmdline").read_bytes()
+        assert b"mitmdump" in cmdline and secret.encode() not in cmdline  # the exec'd proxy
+        url = f"http://127.0.0.1:{port}"
+        ok = run("status", "--proxy", url, "--token-file", str(token), **env)
+        assert ok.returncode == 0 and json.loads(ok.stdout)["paused"] is False, ok.stderr
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not-it")
+        refused = run("status", "--proxy", url, "--token-file", str(wrong), **env)
+        assert refused.returncode == 1 and refused.stderr.startswith("error: 401"), refused.stderr
+    finally:
+        proxy.stop()
