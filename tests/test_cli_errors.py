@@ -6,6 +6,7 @@ corrupt; each that takes a URL gets one that is not a URL.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,20 @@ def test_env_refuses_a_confdir_without_a_ca(tmp_path: Path):
     )
     one_error_line(result)
     assert not (tmp_path / "typo").exists()
+
+
+def test_top_reads_a_control_port_named_control():
+    """`--proxy` is the proxy's own port in env, status and end; top's URL is a control port,
+    so top takes --control and refuses --proxy rather than read it two ways."""
+    result = CliRunner().invoke(main, ["top", "--once", "--proxy", "http://127.0.0.1:8099"])
+    one_error_line(result)
+    assert "--control" in result.stderr
+
+
+def test_top_once_json_and_an_unreachable_proxy_exits_1():
+    result = CliRunner().invoke(
+        main, ["top", "--once", "--json", "--control", "http://127.0.0.1:9"]
+    )
+    assert result.exit_code == 1 and result.stderr.startswith("error: ")
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert rows[0]["proxy"] == "http://127.0.0.1:9" and rows[0]["state"].startswith("unreachable")
