@@ -54,6 +54,10 @@ def test_quickstart_is_in_the_readme():
         "polar-mitm export ./polar-data --format slime",
     ):
         assert needle in lines, needle
+    # the site's quick start shows the same lines (it explains them; it must not drift either)
+    page = (ROOT / "docs" / "quickstart.md").read_text()
+    for line in lines.splitlines():
+        assert line in page, line
 
 
 @pytest.fixture(scope="module")
