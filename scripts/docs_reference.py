@@ -17,9 +17,18 @@ from typing import Any
 MARKERS = {"<!-- generated: cli -->": "cli", "<!-- generated: options -->": "options"}
 
 
+def _prose(text: str) -> str:
+    """Help text as markdown prose: `<` and `>` outside code spans escaped (`http://<this
+    host>/...` is text, not an HTML tag the browser would drop)."""
+    parts = str(text).split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
+
+
 def _cell(text: str) -> str:
     """One markdown table cell: one line, pipes escaped."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    return " ".join(_prose(text).split()).replace("|", "\\|")
 
 
 def _help_markdown(text: str) -> str:
@@ -29,7 +38,7 @@ def _help_markdown(text: str) -> str:
         if para.startswith("\b"):
             out.append("```\n" + inspect.cleandoc(para[1:].lstrip("\n")) + "\n```")
         else:
-            out.append(" ".join(para.split()))
+            out.append(" ".join(_prose(para).split()))
     return "\n\n".join(out)
 
 
@@ -58,10 +67,10 @@ def cli_markdown() -> str:
                 if isinstance(param, click.Argument):
                     rows.append((param.make_metavar(ctx), "argument"))
                 continue
-            rows.append(record)
+            rows.append((record[0], record[1] or "argument"))
         if rows:
             out.append("| argument / option | meaning |\n|---|---|")
-            out.extend(f"| `{_cell(opts)}` | {_cell(text)} |" for opts, text in rows)
+            out.extend(f"| `{' '.join(opts.split())}` | {_cell(text)} |" for opts, text in rows)
             out.append("")
     return "\n".join(out)
 
