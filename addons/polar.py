@@ -1,8 +1,9 @@
-"""polar-mitm as a mitmproxy script:
+"""polar-mitm as a mitmproxy script, from a checkout:
 
     mitmdump -s addons/polar.py --set polar_upstream=http://127.0.0.1:8000
 
-Works from a checkout (the package next to this folder is importable) and from an install.
+From an install use `mitmdump -s "$(polar-mitm addon)"` (the same addons, shipped in the package)
+or `polar-mitm proxy --upstream URL`. This file only puts the checkout's package first on the path.
 """
 
 import sys

@@ -1,8 +1,12 @@
 """The proxy's CA, and the environment a harness container needs to trust and use the proxy.
 
 mitmproxy keeps its CA in its confdir (`mitmproxy-ca.pem`: key + cert, mode 0600;
-`mitmproxy-ca-cert.pem`: what clients trust). polar-mitm's default confdir is the checkout's
-`certs/`, so the CA a harness trusts is the one in the repository's folder, not ~/.mitmproxy.
+`mitmproxy-ca-cert.pem`: what clients trust). The proxy, `polar-mitm env` and `polar-mitm certs`
+must name the same one wherever each of them runs, whatever the current directory and whether
+polar-mitm is installed or checked out, so all three take it from `default_confdir()`:
+`$POLAR_MITM_CONFDIR` when set (the demo sets the checkout's `certs/`), else the user's config
+folder (`$XDG_CONFIG_HOME/polar-mitm`, `~/.config/polar-mitm` without it). Never a path relative
+to the package (an install's is inside site-packages) nor to the current directory.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import shlex
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-DEFAULT_CONFDIR = Path(__file__).resolve().parent.parent / "certs"
+CONFDIR_VARIABLE = "POLAR_MITM_CONFDIR"
 CA_CERT = "mitmproxy-ca-cert.pem"
 CA_KEY = "mitmproxy-ca.pem"
 NO_PROXY = "localhost,127.0.0.1,::1"
@@ -25,11 +29,21 @@ CA_VARIABLES = (
 )
 
 
-def ensure_ca(confdir: str | os.PathLike[str] = DEFAULT_CONFDIR) -> Path:
-    """Create the CA in `confdir` on first use; return the path of the certificate to trust."""
+def default_confdir() -> Path:
+    """The one CA folder the proxy, `env` and `certs` agree on (absolute; see the module doc)."""
+    named = os.environ.get(CONFDIR_VARIABLE, "").strip()
+    if named:
+        return Path(named).expanduser().resolve()
+    config = os.environ.get("XDG_CONFIG_HOME", "").strip() or "~/.config"
+    return (Path(config).expanduser() / "polar-mitm").resolve()
+
+
+def ensure_ca(confdir: str | os.PathLike[str] | None = None) -> Path:
+    """Create the CA in `confdir` (default: `default_confdir()`) on first use; return the path of
+    the certificate to trust."""
     from mitmproxy.certs import CertStore  # mitmproxy is heavy; only the CLI paths need it here
 
-    path = Path(confdir).expanduser()
+    path = Path(confdir).expanduser().resolve() if confdir else default_confdir()
     path.mkdir(parents=True, exist_ok=True)
     CertStore.from_store(path, "mitmproxy", 2048)
     key = path / CA_KEY
@@ -64,3 +78,16 @@ def env_lines(proxy: str, ca_cert: Path, rollout: str | None = None) -> list[str
         **{name: str(ca_cert) for name in CA_VARIABLES},
     }
     return [f"export {name}={shlex.quote(value)}" for name, value in values.items()]
+
+
+def existing_ca(confdir: str | os.PathLike[str]) -> Path:
+    """The certificate in an existing `confdir`: `env --confdir` with a typo must not make a new
+    CA that no proxy uses (the harness would trust a CA the proxy does not sign with)."""
+    path = Path(confdir).expanduser().resolve()
+    cert = path / CA_CERT
+    if not cert.is_file():
+        raise ValueError(
+            f"no CA in {path} ({CA_CERT} is missing): give the proxy's confdir, or create one "
+            "with `polar-mitm certs --confdir DIR`"
+        )
+    return cert

@@ -23,6 +23,9 @@
 #                 (examples/demo/demo_nemo_gym.py; sets up .venv-gym, NeMo Gym 0.4.0, once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The demo's CA is the checkout's certs/: the proxy, `polar-mitm env` and `polar-mitm certs` all
+# read this variable (installed, the default is the user's config folder).
+export POLAR_MITM_CONFDIR="$PWD/certs"
 REAL="${POLAR_DEMO_REAL:-0}" DEQUANTIZE=0 TRAIN=0 NEMO_GYM=0 VLLM=0 LOOP=0
 for arg in "$@"; do
     case "$arg" in
@@ -141,7 +144,7 @@ UPSTREAM="$(grep -o 'http://[0-9.:]*' "$LOGS/policy.log" | head -1)"
 PORT="$(free_port)"
 echo "== starting mitmdump -s addons/polar.py on 127.0.0.1:$PORT -> $UPSTREAM"
 mitmdump -s addons/polar.py --listen-host 127.0.0.1 --listen-port "$PORT" \
-    --set confdir=certs --set polar_upstream="$UPSTREAM" --set polar_output="$OUT/data" \
+    --set confdir="$POLAR_MITM_CONFDIR" --set polar_upstream="$UPSTREAM" --set polar_output="$OUT/data" \
     "${MITM_ARGS[@]}" >"$LOGS/mitmdump.log" 2>&1 &
 MITM=$!
 PIDS+=($MITM)

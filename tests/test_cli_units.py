@@ -219,7 +219,7 @@ def test_slime_and_nemo_gym_records_of_a_two_call_trace():
 
 
 def test_every_format_is_registered():
-    assert sorted(FORMATS) == ["jsonl", "nemo-gym", "slime", "verl"]
+    assert sorted(FORMATS) == ["jsonl", "nemo-gym", "parquet", "slime", "verl"]
     assert all(f.summary and f.suffix.startswith(".") for f in FORMATS.values())
 
 

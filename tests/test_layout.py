@@ -69,7 +69,12 @@ FLOOR_ORDER: tuple[tuple[str, ...], ...] = (
     ("polar_mitm.tokens",),  # the tokenizer, drift, the fidelity checks
     ("polar_mitm.trajectory",),  # the merge, the rollouts, trace rows read back
     ("polar_mitm.call",),  # one call in flight: the gateway and the exchange
-    ("polar_mitm.metrics", "polar_mitm.control", "polar_mitm.tokenizer_record"),
+    (
+        "polar_mitm.metrics",
+        "polar_mitm.control",
+        "polar_mitm.control_client",
+        "polar_mitm.tokenizer_record",
+    ),
     ("polar_mitm.export", "polar_mitm.nemo_gym"),
     ("polar_mitm.addons",),  # the mitmproxy addons, composed by addons/polar.py
     ("polar_mitm.cli",),  # the top floor

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from mitmproxy import ctx, http
 
 from ..control import DEFAULT_HOST, ControlAPI, ControlServer, ControlState, encode, parse_listen
+from ..control_client import control_token
 from ..metrics import MetricsAddon
 from ..trajectory.rollouts import Rollouts
 from ..upstream.weights import ENGINES
@@ -37,7 +38,8 @@ class ControlAddon:
             str,
             "",
             "Bearer token for the control plane (end rollouts with a reward, policy version, "
-            "pause/resume). Without it the control plane refuses every request.",
+            "pause/resume). Empty: $POLAR_CONTROL_TOKEN, else the file $POLAR_CONTROL_TOKEN_FILE "
+            "names (neither shows in `ps`). Without any, the control plane refuses every request.",
         )
         loader.add_option(
             "polar_control_host",
@@ -107,7 +109,10 @@ class ControlAddon:
         if "polar_engine_weights" in updated:
             self.api.weights = opts.polar_engine_weights or None
         if "polar_control_token" in updated:
-            self.api.token = opts.polar_control_token
+            try:
+                self.api.token = opts.polar_control_token or control_token()
+            except ValueError as e:
+                _errors.fail(f"polar_control_token: {e}")
         if "polar_control_host" in updated:
             self.host = opts.polar_control_host.strip().lower() or DEFAULT_HOST
         if "polar_policy_version" in updated:

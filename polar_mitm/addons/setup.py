@@ -1,4 +1,4 @@
-"""`ProxySetup`: the proxy settings polar-mitm needs (lazy connections, CA in certs/, loopback)."""
+"""`ProxySetup`: the proxy settings polar-mitm needs (lazy connections, its own CA folder, loopback)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ipaddress
 
 from mitmproxy import ctx
 
-from ..certs import DEFAULT_CONFDIR
+from ..certs import default_confdir
 from .options import _errors, log
 
 
@@ -19,7 +19,9 @@ class ProxySetup:
             # before any hook runs, and captured hosts are never dialed at all.
             ctx.options.connection_strategy = "lazy"
         if "confdir" in updated and ctx.options.confdir == "~/.mitmproxy":
-            ctx.options.confdir = str(DEFAULT_CONFDIR)
+            # mitmproxy's own default: take polar-mitm's, the folder `polar-mitm env` and
+            # `polar-mitm certs` name too ($POLAR_MITM_CONFDIR, else the user's config folder)
+            ctx.options.confdir = str(default_confdir())
         if "listen_host" in updated and ctx.options.listen_host == "":
             ctx.options.listen_host = "127.0.0.1"
         if (

@@ -18,8 +18,9 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.text import Text
 
-from ..certs import DEFAULT_CONFDIR, ensure_ca, env_lines
+from ..certs import CONFDIR_VARIABLE, ensure_ca, env_lines, existing_ca
 from ..export import FORMATS
 
 console = Console()
@@ -60,17 +61,20 @@ def main() -> None:
     """Capture token-exact RL training data from unmodified coding-agent harnesses."""
 
 
-@main.command()
-@click.option(
-    "--confdir",
-    type=click.Path(file_okay=False),
-    default=str(DEFAULT_CONFDIR),
-    show_default=True,
-    help="mitmproxy confdir holding the CA.",
+CONFDIR_HELP = (
+    f"The proxy's CA folder (mitmproxy confdir). Default: ${CONFDIR_VARIABLE}, else the user's "
+    "config folder ($XDG_CONFIG_HOME/polar-mitm or ~/.config/polar-mitm), the proxy's default too."
 )
-def certs(confdir: str) -> None:
+
+
+@main.command()
+@click.option("--confdir", type=click.Path(file_okay=False), default=None, help=CONFDIR_HELP)
+def certs(confdir: str | None) -> None:
     """Create the proxy's CA (once) and print the certificate path harnesses must trust."""
-    click.echo(ensure_ca(confdir))
+    try:
+        click.echo(ensure_ca(confdir))
+    except OSError as e:
+        fail(f"cannot create the CA in {confdir}: {e}")
 
 
 @main.command()
@@ -87,11 +91,10 @@ def certs(confdir: str) -> None:
 @click.option(
     "--confdir",
     type=click.Path(file_okay=False),
-    default=str(DEFAULT_CONFDIR),
-    show_default=True,
-    help="mitmproxy confdir holding the CA.",
+    default=None,
+    help=CONFDIR_HELP + " A folder given here must already hold the CA.",
 )
-def env(proxy: str, rollout: str | None, confdir: str) -> None:
+def env(proxy: str, rollout: str | None, confdir: str | None) -> None:
     """Print the `export` lines a harness container needs to go through the proxy.
 
     Source them (`eval "$(polar-mitm env --proxy http://HOST:8080 --rollout task.0)"`) or pass
@@ -99,8 +102,9 @@ def env(proxy: str, rollout: str | None, confdir: str) -> None:
     (mount the confdir), or copy it and change the paths.
     """
     try:
-        lines = env_lines(proxy, ensure_ca(confdir), rollout)
-    except ValueError as e:
+        ca = existing_ca(confdir) if confdir else ensure_ca()
+        lines = env_lines(proxy, ca, rollout)
+    except (OSError, ValueError) as e:
         fail(str(e))
     click.echo("\n".join(lines))
 
@@ -150,9 +154,9 @@ def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> No
     full width; on a terminal columns are left out rather than ids cut (--json has them all).
     """
     from . import captured, chaintree
-    from .listing import emit
+    from .listing import emit, terminal_width
     from .summary import summarize
-    from .tables import anonymous_note, group_listing, rollout_listing
+    from .tables import anonymous_note, group_listing, rollout_listing, totals_line
 
     with _user_errors():
         calls = captured.read(directory, "calls", captured.CALL_FIGURES, required=False)
@@ -176,6 +180,9 @@ def summary(directory: str, as_json: bool, plain: bool, groups_only: bool) -> No
     for rollout_id, rows in trees:  # long sessions: how their chains hang together
         if len(rows) > 1:
             console.print(chaintree.tree(rollout_id, rows))
+    # last, where eyes land; one line, never folded (a pipe's grep / tail -1 finds it whole)
+    piped = terminal_width(console) is None
+    console.print(totals_line(result), markup=False, highlight=False, soft_wrap=piped)
 
 
 def _trees(traces: Any) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -189,7 +196,9 @@ def _trees(traces: Any) -> list[tuple[str, list[dict[str, Any]]]]:
 @main.command(short_help="The calls table: tokens, latency, errors.")
 @DIRECTORY
 @click.option("--rollout", "-r", default=None, help="Only this rollout's calls.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON, one object per call.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print JSON lines: one object per call, per line."
+)
 @PLAIN
 def calls(directory: str, rollout: str | None, as_json: bool, plain: bool) -> None:
     """The calls table: dialect, model, tokens, latency, time to first byte, status, error.
@@ -208,8 +217,9 @@ def calls(directory: str, rollout: str | None, as_json: bool, plain: bool) -> No
         if rollout is not None and table.num_rows == 0:
             fail(f"no calls of rollout {rollout!r} under {directory} ({_known(directory)})")
     rows = call_rows(table)
-    if as_json:
-        _echo_json(rows)
+    if as_json:  # JSON lines: `| jq`, `| head`, a log shipper read one call per line
+        for row in rows:
+            click.echo(json.dumps(row, default=str))
         return
     emit([calls_listing(rows, directory)], plain, console)
 
@@ -233,8 +243,8 @@ TOKENIZER = click.option(
     envvar="POLAR_TOKENIZER",
     default=None,
     help="Policy tokenizer to decode with: a Hugging Face tokenizer dir or tiktoken:NAME "
-    "(env POLAR_TOKENIZER). Default: the served model's tokenizer if it is in the local "
-    "Hugging Face cache.",
+    "(env POLAR_TOKENIZER). Default: the one the proxy recorded with the shards (its "
+    "polar_tokenizer), else the served model's if it is in the local Hugging Face cache.",
 )
 
 
@@ -300,6 +310,7 @@ def show(
     """
     from ..trajectory.traceview import pick_trace
     from . import captured
+    from .listing import terminal_width
     from .show import render
     from .token_text import token_pieces
 
@@ -338,6 +349,7 @@ def show(
             ids=ids,
             logprobs=logprobs,
             tokenizer_note=note,
+            marks=console.color_system is None,  # no colours: mark the policy tokens in text
         )
     if pager and sys.stdout.isatty():
         os.environ.setdefault("LESS", "-RFX")  # colours; quit at once when it fits one screen
@@ -345,11 +357,12 @@ def show(
             for part in parts:
                 console.print(part)
         return
-    for part in parts:
-        console.print(part)
+    piped = terminal_width(console) is None  # no terminal, no COLUMNS: the natural width
+    for part in parts:  # piped: the text as it decodes, never folded at rich's default 80
+        console.print(part, soft_wrap=piped and isinstance(part, Text))
 
 
-@main.command(short_help="Traces in slime / verl / NeMo Gym / JSONL format.")
+@main.command(short_help="Traces in slime / verl / NeMo Gym / JSONL / Parquet format.")
 @DIRECTORY
 @click.option(
     "--format",
@@ -359,7 +372,13 @@ def show(
     type=click.Choice(sorted(FORMATS)),
     help="Trainer format (see docs/export.md).",
 )
-@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="File to write.")
+@click.option(
+    "--out",
+    "-o",
+    required=True,
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="File to write; - for standard output (then the messages go to stderr).",
+)
 @click.option("--all", "include_all", is_flag=True, help="Also untrainable and unfinished traces.")
 @click.option(
     "--role",
@@ -393,15 +412,18 @@ def export(
     nemo-gym  JSONL of NeMo Gym rollout results: per-turn prompt_token_ids,
               generation_token_ids, generation_log_probs
     jsonl     the trace rows as JSON lines (schema column names) with per-call segments
+    parquet   one row per trace (its latest revision and reward), schema column names:
+              datasets.load_dataset("parquet"), Ray Data and DuckDB read it as is
 
     By default only trainable, completed traces go out (--all for every one). A tokenizer
     fills the text fields (slime prompt/response, NeMo Gym output text); the ids are
-    exported either way. The file appears whole or not at all.
+    exported either way; the default is the tokenizer the proxy recorded with the shards, as
+    for `show`. The file appears whole or not at all.
     """
     from ..export import ExportOptions, build_records, select
     from ..export import export as write_export
     from . import captured
-    from .token_text import resolve
+    from .export_out import export_to_stdout, left_out_hint
 
     if not roles and fmt == NEMO_GYM:
         # NeMo RL takes one result per rollout: the main agent's chains; sub-agents' and side
@@ -412,38 +434,41 @@ def export(
         traces = captured.read(directory, "traces").to_pylist()
         kept, skipped = select(traces, include_all, roles)
         if not kept:
-            why = ", ".join(f"{n} {k}" for k, n in skipped.items())
-            fail(
-                f"nothing to export from {directory}: {len(traces)} trace(s), left out: {why} (--all exports them)"
-            )
+            # say what would help: --all brings back unfinished and untrainable traces, never
+            # those of another role (--role does); ending rollouts is the usual cure
+            why = ", ".join(f"{n} {k}{left_out_hint(k)}" for k, n in skipped.items())
+            fail(f"nothing to export from {directory}: {len(traces)} trace(s), left out: {why}")
         calls_t = captured.read(
             directory,
             "calls",
             ["finish_reason", "model_served", "model_requested", "purpose", "status"],
             required=False,
         )
-        by_id = {c["call_id"]: c for c in calls_t.to_pylist()}
-        tok, _ = resolve(tokenizer) if tokenizer else (None, "")
+        call_list = calls_t.to_pylist()
+        by_id = {c["call_id"]: c for c in call_list}
+        tok, _ = _show_tokenizer(directory, tokenizer, call_list)
         records = build_records(kept, by_id)
+    options = ExportOptions(pad_id=pad_id, tokenizer=tok)
     try:
-        result = write_export(
-            FORMATS[fmt], records, out, ExportOptions(pad_id=pad_id, tokenizer=tok)
-        )
+        if out == "-":
+            result = export_to_stdout(FORMATS[fmt], records, options)
+        else:
+            result = write_export(FORMATS[fmt], records, out, options)
     except (OSError, ValueError) as e:
         fail(f"cannot write {out}: {e}")
-    err = click.get_text_stream("stderr")
     click.echo(
         f"wrote {result.records} {fmt} record(s) of {result.rollouts} rollout(s), "
-        f"{result.policy_tokens} policy tokens, to {out}"
+        f"{result.policy_tokens} policy tokens, to {'standard output' if out == '-' else out}",
+        err=out == "-",
     )
     for why, n in skipped.items():
-        hint = " (--role to include)" if why.startswith("role ") else ""
-        click.echo(f"left out {n} trace(s): {why}{hint}", file=err)
+        hint = " (--role to include)" if why.startswith("role ") else " (--all to include)"
+        click.echo(f"left out {n} trace(s): {why}{hint}", err=True)
     if result.without_reward:
         click.echo(
             f"warning: {result.without_reward} record(s) have no reward "
             "(end the rollout with one, or polar-mitm reward DIR FILE)",
-            file=err,
+            err=True,
         )
 
 
@@ -510,7 +535,11 @@ def reward(
 @main.command(short_help="A self-contained HTML report with charts.")
 @DIRECTORY
 @click.option(
-    "--html", "html_out", required=True, type=click.Path(dir_okay=False), help="Page to write."
+    "--html",
+    "html_out",
+    required=True,
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="Page to write; - for standard output.",
 )
 @click.option(
     "--max-rollouts",
@@ -541,28 +570,49 @@ def report(directory: str, html_out: str, max_rollouts: int) -> None:
             captured.read(directory, "calls")
     result = summarize(calls_t, traces_t)
     page = render_report(directory, result, call_rows(calls_t), traces_t.to_pylist(), max_rollouts)
-    try:
-        Path(html_out).write_text(page, encoding="utf-8")
-    except OSError as e:
-        fail(f"cannot write {html_out}: {e}")
+    if html_out == "-":
+        sys.stdout.write(page)
+        sys.stdout.flush()
+    else:
+        try:
+            Path(html_out).write_text(page, encoding="utf-8")
+        except OSError as e:
+            fail(f"cannot write {html_out}: {e}")
     click.echo(
-        f"wrote {html_out} ({len(page) // 1024} KiB, {min(len(result.rollouts), max_rollouts)} rollouts)"
+        f"wrote {'the page to standard output' if html_out == '-' else html_out} "
+        f"({len(page) // 1024} KiB, {min(len(result.rollouts), max_rollouts)} rollouts)",
+        err=html_out == "-",
     )
 
 
-@main.command()
-@click.argument("directory", type=click.Path())
+def _proxy_output(directory: str, journal: str | None) -> None:
+    """A local DIR must be a proxy's output (or the journal given must exist): `recover` and
+    `migrate` write into it, and a typo must not become a new folder and exit 0."""
+    if "://" in directory:
+        return
+    path = Path(directory)
+    if not path.is_dir():
+        fail(f"no such folder: {directory}")
+    if journal is not None and Path(journal).is_dir():
+        return
+    if not any((path / name).is_dir() for name in ("calls", "traces", "_journal")):
+        fail(f"{directory} is not a proxy's output folder (no calls/, traces/ or _journal/ in it)")
+
+
+@main.command(short_help="Turn a crashed proxy's journal into shards.")
+@DIRECTORY
 @click.option(
     "--journal",
     type=click.Path(file_okay=False),
     default=None,
-    help="Journal dir (default: DIRECTORY/_journal).",
+    help="Journal dir (default: DIR/_journal).",
 )
 def recover(directory: str, journal: str | None) -> None:
     """Turn a journal left by a crashed proxy into shards (nothing is written twice).
 
     The proxy does this itself at start-up; use this when it will not be restarted.
     """
+    _proxy_output(directory, journal)
     from ..store import recover as recover_journal
 
     try:
@@ -573,12 +623,12 @@ def recover(directory: str, journal: str | None) -> None:
 
 
 @main.command(short_help="Rewrite schema-1/2 calls shards as schema 3.")
-@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@DIRECTORY
 @click.option(
     "--journal",
     type=click.Path(file_okay=False),
     default=None,
-    help="Journal dir whose lock keeps a proxy out meanwhile (default: DIRECTORY/_journal).",
+    help="Journal dir whose lock keeps a proxy out meanwhile (default: DIR/_journal).",
 )
 def migrate(directory: str, journal: str | None) -> None:
     """Rewrite old calls shards in the current schema (3).
@@ -590,6 +640,7 @@ def migrate(directory: str, journal: str | None) -> None:
     """
     from ..store.migrate import migrate as migrate_shards
 
+    _proxy_output(directory, journal)
     try:
         report = migrate_shards(directory, journal_dir=journal)
     except (OSError, ValueError, RuntimeError, pa_errors()) as e:
@@ -607,6 +658,10 @@ def _register_optional() -> None:
     """Commands whose modules are written separately, imported when they are run."""
     LazyGroup.lazy["top"] = "polar_mitm.cli.top:top"
     LazyGroup.lazy["sql"] = "polar_mitm.cli.sql:sql"
+    LazyGroup.lazy["addon"] = "polar_mitm.cli.proxy:addon"
+    LazyGroup.lazy["proxy"] = "polar_mitm.cli.proxy:proxy"
+    LazyGroup.lazy["status"] = "polar_mitm.cli.control_cmds:status"
+    LazyGroup.lazy["end"] = "polar_mitm.cli.control_cmds:end"
 
 
 _register_optional()

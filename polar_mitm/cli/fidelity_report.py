@@ -279,7 +279,7 @@ def fail(message: str) -> None:
 
 
 @click.command("fidelity")
-@click.argument("directory", type=click.Path())
+@click.argument("directory", metavar="DIR", type=click.Path())
 @click.option(
     "--examples",
     "n_examples",
@@ -291,7 +291,7 @@ def fail(message: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--plain", is_flag=True, help="Tab-separated lines, one per dialect and harness.")
 def fidelity(directory: str, n_examples: int, as_json: bool, plain: bool) -> None:
-    """Token fidelity of the calls captured under DIRECTORY (polar_output): per dialect and
+    """Token fidelity of the calls captured under DIR (polar_output): per dialect and
     harness, the calls checked and flagged, and the share of policy tokens a
     retokenize-the-text pipeline would have got wrong."""
     from ..store import read_table

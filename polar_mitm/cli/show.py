@@ -28,6 +28,9 @@ from . import chaintree
 ENV_STYLE = Style(color="cyan")
 POLICY_STYLE = Style(color="green", bold=True)
 ID_STYLE = Style(dim=True)
+# Without colours (piped, a file, a CI log) the policy tokens of each call are enclosed in these,
+# so the one thing `show` is for, which tokens the policy sampled, survives `| less` and `| grep`.
+POLICY_OPEN, POLICY_CLOSE = "⟪", "⟫"
 # below this probability a policy token gets a red background, stronger the less likely it was
 SHADE_BELOW = 0.9
 
@@ -56,12 +59,16 @@ def token_text(
     *,
     ids: bool = False,
     logprobs: bool = False,
+    marks: bool = False,
 ) -> Text:
-    """The tokens of one call: its environment tokens, then its sampled ones, styled by mask."""
+    """The tokens of one call: its environment tokens, then its sampled ones, styled by mask
+    (and, with ``marks``, the sampled ones between `POLICY_OPEN` and `POLICY_CLOSE`)."""
     input_ids, lps = trace["input_ids"], trace["logprobs"]
     text = Text()
     for i in range(seg.start, seg.end):
         policy = i >= seg.gen_start
+        if marks and i == seg.gen_start:
+            text.append(POLICY_OPEN, POLICY_STYLE)
         style = POLICY_STYLE if policy else ENV_STYLE
         if policy and logprobs:
             style = style + shade(lps[i])
@@ -71,6 +78,8 @@ def token_text(
         text.append(visible(pieces[i]), style)
         if ids:
             text.append(f"[{input_ids[i]}]", style + ID_STYLE)
+    if marks and seg.gen_start < seg.end:
+        text.append(POLICY_CLOSE, POLICY_STYLE)
     return text
 
 
@@ -220,9 +229,14 @@ def render(
     ids: bool = False,
     logprobs: bool = False,
     tokenizer_note: str = "",
+    marks: bool = False,
 ) -> list[RenderableType]:
     segs = segments(trace)
     out: list[RenderableType] = [header(trace, others, tokenizer_note, calls)]
+    if marks:
+        out.append(
+            Text(f"policy tokens (loss_mask 1) are between {POLICY_OPEN} and {POLICY_CLOSE}")
+        )
     reason = trace.get("break_reason") or "-"
     opens = f"break {reason}"
     if trace.get("parent_trace_id"):
@@ -230,7 +244,7 @@ def render(
     for seg in segs:
         call = calls.get(seg.call_id or "")
         out.append(call_rule(seg, len(segs), call, opens if seg.index == 0 else None))
-        out.append(token_text(trace, seg, pieces, ids=ids, logprobs=logprobs))
+        out.append(token_text(trace, seg, pieces, ids=ids, logprobs=logprobs, marks=marks))
     out.append(
         Rule(f"end of trace {trace['trace_id']} ({reason})", style="bright_black", align="left")
     )

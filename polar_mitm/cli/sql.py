@@ -44,7 +44,7 @@ def connect(directory: str, datasets: tuple[str, ...] = ("calls", "traces")):
 
 
 @click.command(short_help="DuckDB macros for whole prompts; or run a query on a directory.")
-@click.argument("directory", required=False, type=click.Path())
+@click.argument("directory", metavar="[DIR]", required=False, type=click.Path())
 @click.argument("query", required=False)
 @click.option("--path", "show_path", is_flag=True, help="Print where the SQL file is, only.")
 @click.option("--json", "as_json", is_flag=True, help="Print the query's rows as JSON lines.")
@@ -57,8 +57,8 @@ def sql(directory: str | None, query: str | None, show_path: bool, as_json: bool
         polar-mitm sql > polar.sql
         duckdb -c ".read polar.sql" -c "SELECT * FROM polar_calls('polar-data')"
 
-    With DIRECTORY and QUERY, run QUERY (needs the duckdb package) where the views ``calls`` and
-    ``traces`` hold DIRECTORY's rows as polar-mitm reads them (a dataset with no shards yet has
+    With DIR and QUERY, run QUERY (needs the duckdb package) where the views ``calls`` and
+    ``traces`` hold DIR's rows as polar-mitm reads them (a dataset with no shards yet has
     no view):
 
         polar-mitm sql polar-data "SELECT rollout_id, len(prompt_token_ids) FROM calls"
@@ -72,7 +72,7 @@ def sql(directory: str | None, query: str | None, show_path: bool, as_json: bool
         click.echo(sql_text(), nl=False)
         return
     if query is None:
-        fail('give a QUERY after the DIRECTORY (e.g. "SELECT count(*) FROM calls")')
+        fail('give a QUERY after the DIR (e.g. "SELECT count(*) FROM calls")')
     try:
         datasets = tuple(d for d in ("calls", "traces") if shard_paths(directory, d))
     except DataError as e:
@@ -82,7 +82,9 @@ def sql(directory: str | None, query: str | None, show_path: bool, as_json: bool
     try:
         import duckdb
     except ImportError:
-        fail("polar-mitm sql DIRECTORY QUERY needs duckdb: pip install duckdb")
+        fail(
+            "polar-mitm sql DIR QUERY needs duckdb, in the readers extra: pip install 'polar-mitm[readers]'"
+        )
     try:
         result = connect(directory, datasets).sql(query)
         if result is None:  # a statement without rows

@@ -81,6 +81,18 @@ def _rollout_cells(r: RolloutSummary) -> list[object]:
     ]
 
 
+def totals_line(summary: Summary) -> str:
+    """The totals in one line, printed last: with hundreds of rollouts the table's totals row
+    sits far above the groups and the chain trees printed after it."""
+    t = summary.totals
+    return (
+        f"total: {t['rollouts']} rollout(s) in {t['groups']} group(s), {t['calls']} call(s) "
+        f"({t['errors']} errors), {t['traces']} trace(s) ({t['trainable_traces']} trainable), "
+        f"{t['policy_tokens']} policy / {t['env_tokens']} environment tokens, "
+        f"{t['rewarded']} rewarded"
+    )
+
+
 def rollout_listing(summary: Summary, source: str) -> Listing:
     """Rollouts, with a totals row."""
     listing = Listing(f"polar-mitm capture: {source}", ROLLOUT_COLUMNS)

@@ -1,4 +1,4 @@
-"""`polar-mitm top --proxy URL [URL ...]`: a live terminal view of running proxies.
+"""`polar-mitm top --control URL [URL ...]`: a live terminal view of running proxies.
 
 Each URL is a proxy's control port (`polar_control_listen`); its ``/metrics`` (metrics.py) is
 scraped every ``--interval`` seconds and parsed with prometheus_client's own parser, so `top`
@@ -9,17 +9,21 @@ buckets since the proxy started (as Prometheus' ``histogram_quantile`` interpola
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import click
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 
+from ..control_client import control_token
 from .listing import Column, Listing, emit, terminal_width
 
 Labels = tuple[tuple[str, str], ...]
@@ -50,6 +54,23 @@ class Scrape:
         return out
 
 
+def fail(message: str) -> None:
+    click.echo(f"error: {' '.join(message.split())}", err=True)
+    sys.exit(1)
+
+
+def bad_url(url: str) -> str | None:
+    """Why `url` is not an http(s)://HOST[:PORT] URL (None when it is one)."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        return f"{url!r} has a bad port"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r} is not an http://HOST:PORT URL (a proxy's control port)"
+    return None
+
+
 def metrics_url(url: str) -> str:
     url = url.rstrip("/")
     return url if url.endswith("/metrics") else f"{url}/metrics"
@@ -65,7 +86,7 @@ def scrape(url: str, token: str | None, timeout: float = 5.0) -> Scrape:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             text = resp.read().decode("utf-8")
     except urllib.error.HTTPError as e:
-        hint = " (give --token or POLAR_CONTROL_TOKEN)" if e.code in (401, 403) else ""
+        hint = " (set POLAR_CONTROL_TOKEN or give --token-file)" if e.code in (401, 403) else ""
         out.error = f"HTTP {e.code}{hint}"
         return out
     except (OSError, ValueError) as e:
@@ -184,35 +205,80 @@ def render(now: Sequence[Scrape], before: dict[str, Scrape], console: Console) -
 
 @click.command("top")
 @click.option(
-    "--proxy",
-    "proxies",
+    "--control",
+    "controls",
     multiple=True,
-    required=True,
     metavar="URL",
     help="A proxy's control port (polar_control_listen), e.g. http://10.0.0.5:8099; repeat, "
-    "or list several after one --proxy.",
+    "or list several after one --control.",
 )
 @click.argument("more", nargs=-1, metavar="[URL...]")
+@click.option("--proxy", "old_proxy", multiple=True, hidden=True)
 @click.option(
-    "--token",
-    envvar="POLAR_CONTROL_TOKEN",
+    "--token-file",
+    type=click.Path(dir_okay=False),
     default=None,
-    help="The control token (env POLAR_CONTROL_TOKEN); not needed with polar_metrics_public.",
+    help="A file holding the control token (default: $POLAR_CONTROL_TOKEN, else the file "
+    "$POLAR_CONTROL_TOKEN_FILE names); not needed with polar_metrics_public.",
 )
 @click.option(
     "--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds."
 )
-@click.option("--once", is_flag=True, help="Print one frame and exit (for scripts and pipes).")
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Print one frame and exit (for scripts and pipes); exit 1 when a proxy is unreachable.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="With --once: JSON lines, one object per proxy and per call kind (the frame's figures).",
+)
 def top(
-    proxies: tuple[str, ...], more: tuple[str, ...], token: str | None, interval: float, once: bool
+    controls: tuple[str, ...],
+    more: tuple[str, ...],
+    old_proxy: tuple[str, ...],
+    token_file: str | None,
+    interval: float,
+    once: bool,
+    as_json: bool,
 ) -> None:
     """A live view of running proxies: calls, rates, tokens, latency, fidelity flags, journal
     lag, from each one's Prometheus /metrics. Ctrl-C quits."""
-    urls = list(dict.fromkeys([*proxies, *more]))
+    if old_proxy:
+        # `--proxy` names the proxy's own port everywhere else (env, status, end): here it meant
+        # the control port, so it is refused rather than read two ways
+        fail("top reads a control port: give --control URL (polar_control_listen), not --proxy")
+    urls = list(dict.fromkeys([*controls, *more]))
+    if not urls:
+        fail("give --control URL: a proxy's control port (polar_control_listen)")
+    for url in urls:
+        problem = bad_url(url)
+        if problem:
+            fail(problem)
+    try:
+        token = control_token(token_file) or None
+    except ValueError as e:
+        fail(str(e))
     console = Console()
     before: dict[str, Scrape] = {}
+    if as_json and not once:
+        fail("--json needs --once (a live view is for a terminal)")
     if once:
-        emit(listings([scrape(u, token) for u in urls], before), console=console)
+        frame = [scrape(u, token) for u in urls]
+        if as_json:
+            for listing in listings(frame, before):
+                names = [c.name for c in listing.columns]
+                for row in listing.rows:
+                    click.echo(
+                        json.dumps({"listing": listing.title, **dict(zip(names, row, strict=True))})
+                    )
+        else:
+            emit(listings(frame, before), console=console)
+        down = [s for s in frame if s.error]
+        if down:
+            fail("; ".join(f"{s.url}: {s.error}" for s in down))
         return
     try:
         with Live(console=console, auto_refresh=False, screen=False) as live:

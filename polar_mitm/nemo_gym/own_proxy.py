@@ -10,6 +10,7 @@ captures. The proxy dies with the agent: it gets SIGTERM when the agent process 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -52,7 +53,6 @@ def launch(
         "confdir": str(folder / "certs"),
         "polar_output": str(folder / "polar-data"),
         "polar_upstream": upstream,
-        "polar_control_token": token,
         "polar_keep_ended": "256",
         **(options or {}),
     }
@@ -67,6 +67,9 @@ def launch(
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # the token through the environment the addon reads, never on the command line
+                # where `ps` shows it (polar_control_token stays unset)
+                env={**os.environ, "POLAR_CONTROL_TOKEN": token},
                 preexec_fn=_die_with_parent,  # only prctl between fork and exec
             )
     except OSError as e:

@@ -273,7 +273,10 @@ def test_plain_is_tsv_and_json_parses(data, truth, command):
     else:
         assert {r["dialect"] for r in table} == {c["dialect"] for c in truth["calls"]}
         assert all(r["with tokenizer"] == "0" for r in table)  # positions only: not checked
-    assert json.loads(run(command, str(data), "--json").stdout)
+    out = run(command, str(data), "--json").stdout  # calls: JSON lines, one call each
+    assert (
+        [json.loads(line) for line in out.splitlines()] if command == "calls" else json.loads(out)
+    )
 
 
 def test_errors_a_user_meets_are_one_line(data, tmp_path):
@@ -316,7 +319,7 @@ def test_every_command_has_complete_help():
         "summary": ["--json", "--plain", "--groups", "GRPO group"],
         "calls": ["--rollout", "--json", "--plain", "ttfb"],
         "fidelity": ["--json", "--plain", "--examples"],
-        "top": ["--proxy", "--token", "--interval", "--once", "/metrics"],
+        "top": ["--control", "--token-file", "--interval", "--once", "/metrics"],
         "show": ["--trace", "--ids", "--logprobs", "--tokenizer", "--pager", "main trace"],
         "export": ["slime", "verl", "nemo-gym", "jsonl", "--all", "--role", "--out"],
         "reward": ["rollout_id", "revision", "--skip-unknown", "--dry-run", "--journal"],
@@ -338,7 +341,7 @@ def test_every_command_has_complete_help():
 def test_calls_json_and_table(data, truth):
     result = cli("calls", str(data), "--rollout", "bad.0", "--json")
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.output)
+    rows = [json.loads(line) for line in result.output.splitlines()]  # one call per line
     expected = sorted(of(truth["calls"], "bad.0"), key=lambda c: c["started_at"])
     assert [r["call_id"] for r in rows] == [c["call_id"] for c in expected]
     bad, good = rows

@@ -62,3 +62,17 @@ def test_demo_prints_a_summary_of_three_calls(tmp_path, session):
     if session == "pi":
         assert (out / "work" / "hello.txt").read_text() == "polar was here"
         assert "reward 1.0" in proc.stdout
+    if session == "sdk":  # the docs site's pictures, made from this demo's data (docs/pictures.md)
+        pictures = tmp_path / "pictures"
+        made = subprocess.run(
+            [sys.executable, "scripts/docs_pictures.py", str(out / "data"), str(pictures)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert made.returncode == 0, made.stderr
+        svg = (pictures / "show.svg").read_text()
+        assert svg.startswith("<svg") and "demo-task.0" in svg and "im_start" in svg
+        png = (pictures / "report.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000

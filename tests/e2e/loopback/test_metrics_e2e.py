@@ -158,9 +158,7 @@ def top_screen(tmp_path: Path, url: str) -> str:
     """`polar-mitm top` in a real terminal: the screen once it shows the session's calls."""
     name = f"polar-top-{os.getpid()}"
     socket = str(tmp_path / "tmux.sock")
-    cmd = (
-        f"env COLUMNS= LINES= POLAR_CONTROL_TOKEN={TOKEN} {POLAR} top --proxy {url} --interval 0.5"
-    )
+    cmd = f"env COLUMNS= LINES= POLAR_CONTROL_TOKEN={TOKEN} {POLAR} top --control {url} --interval 0.5"
     tmux("-S", socket, "new-session", "-d", "-s", name, "-x", "200", "-y", "40", cmd)
     try:
         deadline = time.monotonic() + 60
