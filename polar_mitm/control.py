@@ -483,4 +483,3 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{value!r} is not PORT or HOST:PORT")
     return host, int(port)
-
