@@ -65,7 +65,7 @@ def test_demo_prints_a_summary_of_three_calls(tmp_path, session):
     if session == "sdk":  # the docs site's pictures, made from this demo's data (docs/pictures.md)
         pictures = tmp_path / "pictures"
         made = subprocess.run(
-            [sys.executable, "scripts/docs_pictures.py", str(out / "data"), str(pictures)],
+            [sys.executable, "docs/tools/pictures.py", str(out / "data"), str(pictures)],
             cwd=ROOT,
             capture_output=True,
             text=True,

@@ -34,7 +34,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for name in missing:
             (tmp / "docs" / name).write_text(f"# {name}\n\nRendered by the benchmark package.\n")
         text = config.read_text().replace("docs_dir: docs", f"docs_dir: {tmp / 'docs'}")
-        text = text.replace("scripts/docs_reference.py", str(ROOT / "scripts/docs_reference.py"))
+        text = text.replace("docs/tools/reference.py", str(ROOT / "docs/tools/reference.py"))
         config = tmp / "mkdocs.yml"
         config.write_text(text)
     out = tmp / "site"
@@ -65,9 +65,9 @@ def test_cli_reference_names_every_command(site: Path):
 
 
 def test_options_reference_names_every_option(site: Path):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "docs" / "tools"))
     try:
-        import docs_reference
+        import reference as docs_reference
     finally:
         sys.path.pop(0)
     page = (site / "options" / "index.html").read_text()

@@ -4,7 +4,7 @@ the click commands and the options reference from the addons' own `load()` decla
 Generated at every build, never written by hand or committed, so a command or an option cannot
 be missing from the site or described differently there than in `--help` / `mitmdump
 --options`. A page asks for a reference with a marker line: `<!-- generated: cli -->` or
-`<!-- generated: options -->`. Run alone (`python scripts/docs_reference.py cli|options`) it
+`<!-- generated: options -->`. Run alone (`python docs/tools/reference.py cli|options`) it
 prints the markdown.
 """
 

@@ -3,7 +3,7 @@ data, so a newcomer sees a trace and a report before installing anything. Regene
 pasted: run the demo, then this script on what it captured.
 
     POLAR_DEMO_OUT=/tmp/polar-demo POLAR_DEMO_SESSION=sdk ./scripts/demo.sh
-    .venv/bin/python scripts/docs_pictures.py /tmp/polar-demo/data docs/images
+    .venv/bin/python docs/tools/pictures.py /tmp/polar-demo/data docs/images
 
 - show.svg: `polar-mitm show DIR demo-task.0` as a 110-column colour terminal shows it (the real
   command's ANSI output, drawn by rich's own SVG export: environment tokens cyan, policy tokens
@@ -82,7 +82,7 @@ def report_png(data: Path, out: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) != 3:
-        sys.exit("usage: docs_pictures.py DEMO_DATA_DIR OUT_DIR")
+        sys.exit("usage: pictures.py DEMO_DATA_DIR OUT_DIR")
     data, out = Path(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     show_svg(data, out / "show.svg")
