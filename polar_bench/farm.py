@@ -1,4 +1,4 @@
-"""What a farm pays on the real vLLM: the proxy's CPU and vLLM's API-server CPU, per call, in one run.
+"""What a farm pays on the real vLLM: the proxy's and vLLM's API-server CPU per call, in one run.
 
     python -m polar_bench farm [--sessions 4] [--turns 8] [--json FILE]
     python -m polar_bench farm --smoke          # 1 session x 3 turns: that it runs
