@@ -1,4 +1,4 @@
-"""Short chats: what polar-mitm costs a rollout farm, side by side with the alternatives, in one run.
+"""Short chats: what polar-mitm costs a rollout farm beside the alternatives, in one run.
 
 Columns (same client, same upstream, same run):
   direct            client -> reference policy server over loopback HTTP (the physical limit)

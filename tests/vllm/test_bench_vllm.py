@@ -57,4 +57,6 @@ def test_bench_farm_smoke(vllm_setup, tmp_path):
         assert cols[column]["proxy_cpu_ms_per_call"] > 0
     assert cols["polar-mitm chat"]["routes"] == {"chat": 3, "token_in": 0}
     assert cols["polar-mitm exact"]["routes"] == {"chat": 1, "token_in": 2}
+    for column in ("polar-mitm chat", "polar-mitm exact"):  # from the proxy's own records
+        assert cols[column]["output_tokens_per_call"] > 1
     assert "vLLM API-server CPU" in proc.stdout
