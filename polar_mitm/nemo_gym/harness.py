@@ -241,7 +241,11 @@ HARNESSES: dict[str, Harness] = {
         ("run", PROMPT),
         configure=_kilo_configure,
         # OpenCode's switches under Kilo's names: no model catalogue fetch, no update check
-        extra_env={"KILO_DISABLE_MODELS_FETCH": "1", "KILO_DISABLE_AUTOUPDATE": "1"},
+        extra_env={
+            "KILO_DISABLE_MODELS_FETCH": "1",
+            "KILO_DISABLE_AUTOUPDATE": "1",
+            "KILO_TELEMETRY_LEVEL": "off",  # PostHog events: sent only when "all"
+        },
     ),
 }
 
