@@ -9,6 +9,7 @@ import asyncio
 import json
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,34 @@ def test_the_default_bin_dir_follows_the_install_script(monkeypatch, tmp_path):
     assert reloaded == tmp_path / "h-previous" / "node_modules" / ".bin"
     monkeypatch.undo()  # this process's own variables back, and the module as they make it
     importlib.reload(agent)
+
+
+def test_a_daemon_left_in_a_session_of_its_own_is_killed(tmp_path):
+    """A harness that leaves a process in a new session (as Cline's hub daemon does) out of its
+    process group's reach: `run_harness` still kills it (it runs with the rollout's HOME)."""
+    h = agent.HARNESSES["cline"]
+    bin_dir = tmp_path / "node_modules" / ".bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / h.binary
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import subprocess, sys\n"
+        "d = subprocess.Popen(['sleep', '300'], start_new_session=True, stdin=-3, stdout=-3,"
+        " stderr=-3)\n"  # a daemon: its own session, its stdio closed (subprocess.DEVNULL)
+        "open('daemon.pid', 'w').write(str(d.pid))\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = agent.harness_env(h, home, PROXY, tmp_path / "ca.pem", ROLLOUT, bin_dir)
+    ran = asyncio.run(agent.run_harness(h, bin_dir, agent.DEFAULT_MODEL, "the task", work, env, 30))
+    assert ran.returncode == 0, ran.stderr
+    pid = int((work / "daemon.pid").read_text())
+    for _ in range(50):  # SIGKILL is sent; the zombie is reaped by init
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "State:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the daemon {pid} outlived the run")

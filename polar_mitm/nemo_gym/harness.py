@@ -241,7 +241,11 @@ HARNESSES: dict[str, Harness] = {
         ("run", PROMPT),
         configure=_kilo_configure,
         # OpenCode's switches under Kilo's names: no model catalogue fetch, no update check
-        extra_env={"KILO_DISABLE_MODELS_FETCH": "1", "KILO_DISABLE_AUTOUPDATE": "1"},
+        extra_env={
+            "KILO_DISABLE_MODELS_FETCH": "1",
+            "KILO_DISABLE_AUTOUPDATE": "1",
+            "KILO_TELEMETRY_LEVEL": "off",  # PostHog events: sent only when "all"
+        },
     ),
 }
 
@@ -309,6 +313,7 @@ async def run_harness(
         )
     finally:
         kill_group(proc.pid)  # whatever it left running in the background
+        kill_leftovers(Path(env["HOME"]))  # and in sessions of their own
     stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
     error = None
     if proc.returncode != 0:
@@ -320,3 +325,20 @@ async def run_harness(
 def kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def kill_leftovers(home: Path) -> list[int]:
+    """Kill every process still running with the rollout's HOME (the pids killed). A harness may
+    leave a daemon in a session of its own, out of its process group's reach: Cline's
+    `--cline-hub-daemon` outlives every run. Linux's /proc; nothing elsewhere."""
+    mark = b"\0HOME=" + str(home).encode() + b"\0"
+    killed = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        pid = int(environ.parent.name)
+        try:
+            if pid != os.getpid() and mark in b"\0" + environ.read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        except OSError:
+            continue
+    return killed

@@ -192,11 +192,13 @@ def run_harness(
             timeout=timeout,
         )
     except subprocess.TimeoutExpired as e:
+        agent_harness.kill_leftovers(home)
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else e.stderr or ""
         return HarnessResult(
             124, out, err + f"\n[timed out after {timeout} s]", timeout, work, home
         )
+    agent_harness.kill_leftovers(home)  # daemons it left (Cline's hub), as the agent does
     return HarnessResult(r.returncode, r.stdout, r.stderr, time.monotonic() - started, work, home)
 
 
