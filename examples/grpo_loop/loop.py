@@ -198,7 +198,9 @@ class Stack:
         self.trainer.stdin.flush()
         line = self.trainer.stdout.readline()
         if not line:
-            raise SystemExit("error: the trainer exited")
+            rc = self.trainer.wait()
+            why = " (SIGKILL: out of memory?)" if rc == -9 else ""
+            raise SystemExit(f"error: the trainer exited with status {rc}{why}")
         answer = json.loads(line)
         if "error" in answer:
             raise SystemExit(f"error: the trainer's step failed: {answer['error']}")

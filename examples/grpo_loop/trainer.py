@@ -160,7 +160,7 @@ class Trainer:
             "rows": len(uid),
             "policy_tokens": int(mask.sum()),
             **check,
-            "loss": float(loss),
+            "loss": float(loss.detach()),
             "grad_norm": grad_norm,
             "seconds": {"forward": t_fwd - t0, "step": t_step - t_fwd, "save": t_save - t_step},
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
