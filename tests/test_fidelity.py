@@ -678,11 +678,7 @@ def test_a_rollout_that_ended_before_its_checks_landed_is_written_again(qwen):
 
 
 def test_the_benchmark_runs():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import bench_fidelity
+    from polar_bench import fidelity as bench_fidelity
 
     figures = bench_fidelity.figures(smoke=True)
     assert figures["fidelity_us_per_call_check"] > figures["fidelity_us_per_call_off"] > 0
