@@ -227,3 +227,32 @@ def test_compare_notes_what_chat_mode_would_have_sent(book_factory):
     book.compare(record, {"messages": messages, "tools": [RUN_SHELL]}, {"path": "token_in"})
     note = json.loads(record.fidelity_json)["exact_prefix"]
     assert note["first_diff"] == len(ids) - 3 and note["drift_tokens"] == 4
+
+
+def test_drain_as_a_compare_finishes_does_not_spin_the_loop(book_factory):
+    """`drain` (at shutdown) entered in the loop turn in which a compare's task finished: the
+    task is still in `_pending` until its done callback runs a turn later, and a gather of done
+    tasks completes without yielding (Python 3.12), so `while _pending: await gather(...)` spun
+    for good (tests/test_fidelity.py has the stall this was in)."""
+    import asyncio
+
+    from polar_mitm.core.record import CallRecord
+
+    book = book_factory()
+    messages = [SYSTEM, USER]
+    ids = render(book, messages)
+    delivered = []
+
+    async def scenario() -> None:
+        record = CallRecord(rollout_id="r", prompt_token_ids=ids)
+        chat = {"messages": messages, "tools": [RUN_SHELL]}
+        book.submit(record, chat, {"path": "token_in"}, lambda: delivered.append(record))
+        (task,) = book._pending
+        while not task.done():
+            await asyncio.sleep(0)
+        assert task in book._pending  # its done callback has not run yet
+        await asyncio.wait_for(book.drain(), 2)
+
+    asyncio.run(scenario())
+    book.close()
+    assert len(delivered) == 1

@@ -4,7 +4,9 @@ the real `CallPipeline`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -675,6 +677,48 @@ def test_a_rollout_that_ended_before_its_checks_landed_is_written_again(qwen):
             latest[t["trace_id"]] = t
     assert {t["revision"] for t in latest.values()} == {2}  # one rewrite per call checked
     assert not any(t["trainable"] for t in latest.values())
+
+
+class _WorkerTokenizer:
+    """Enough of a tokenizer for the checks to go to the worker thread, and to find nothing."""
+
+    lock = threading.Lock()
+    spec = "stub"
+    specials: dict[str, int] = {}
+    special_pattern = None
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("eager", [False, True], ids=["plain-loop", "eager-tasks"])
+def test_ending_a_rollout_as_its_last_check_finishes_does_not_spin_the_loop(eager):
+    """The control plane's `end` awaits `drain` (its settle, bounded by a timeout) before it
+    writes the traces. When it came in the loop turn in which a check's task had just finished,
+    the task was still in `_pending` (its done callback, which takes it out, runs a turn later),
+    and `while _pending: await gather(...)` spun for good: since Python 3.12 a gather of tasks
+    that are all done completes without yielding, so neither that callback nor the timeout ever
+    ran. The proxy stalled with its loop at 100 % of a core, deaf to SIGTERM (docs/loop.md, the
+    second real run). mitmproxy runs its loop with eager tasks; a plain loop spun all the same."""
+
+    async def scenario() -> list[CallRecord]:
+        loop = asyncio.get_running_loop()
+        if eager:
+            loop.set_task_factory(asyncio.eager_task_factory)
+        stage = FidelityStage()
+        stage.configure(CHECK, _WorkerTokenizer())
+        record = CallRecord(
+            rollout_id="r.0", status="completed", ids_source="upstream", prompt_token_ids=[1, 2]
+        )
+        stored: list[CallRecord] = []
+        stage.check(record, None, lambda found: stored.append(record) or [])
+        (task,) = stage._pending
+        while not task.done():  # wakes in the turn in which the check's task finished
+            await asyncio.sleep(0)
+        assert task in stage._pending  # its done callback has not run yet
+        await asyncio.wait_for(stage.drain(), 2)
+        stage.close()
+        return stored
+
+    assert len(asyncio.run(scenario())) == 1
 
 
 def test_the_benchmark_runs():

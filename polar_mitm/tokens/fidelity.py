@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.record import CallRecord, awaitable, one_receipt
+from ..core.tasks import drain_tasks
 from ..upstream.constraints import CONSTRAINED_SAMPLING
 from .drift import (
     CONTEXT,
@@ -374,8 +375,7 @@ class FidelityStage:
 
     async def drain(self) -> None:
         """Wait for every check in flight (at shutdown, before the rollouts are written)."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await drain_tasks(self._pending)
 
     def close(self) -> None:
         if self._executor is not None:

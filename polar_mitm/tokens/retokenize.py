@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.record import CallRecord
+from ..core.tasks import drain_tasks
 from .conversation import RequestError, history_message, render_input
 from .tokenizer import PolicyTokenizer
 
@@ -103,8 +104,7 @@ class Retokenizer:
 
     async def drain(self) -> None:
         """Wait for every retokenization in flight (at shutdown)."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await drain_tasks(self._pending)
 
     # -- the work (blocking) --------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.record import CallRecord
+from ..core.tasks import drain_tasks
 from ..output_parsers import Family
 from ..tokens.conversation import RenderInput, RequestError, history_message, render_input
 from ..tokens.tokenizer import PolicyTokenizer
@@ -409,8 +410,7 @@ class ExactPrefix:
         task.add_done_callback(self._pending.discard)
 
     async def drain(self) -> None:
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await drain_tasks(self._pending)
 
 
 def chat_prompt_ids(tok: PolicyTokenizer, flavor: str, chat: dict[str, Any]) -> list[int]:
