@@ -98,6 +98,8 @@ ONE_CALL = {"aider"}
 def file_text(name: str) -> str:
     """What the task's file holds once the harness made it."""
     return FILE_TEXT + "\n" if name in ONE_CALL else FILE_TEXT
+
+
 # Log lines that are expected and are not API errors.
 KNOWN_NOISE = {
     # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.
