@@ -182,7 +182,7 @@ def assert_one_main_chain(trace: dict, main_calls: list[dict], qwen3) -> None:
     assert FILE_TEXT in tool_result and "<tool_response>" in tool_result, tool_result
 
 
-def assert_one_call_chain(trace: dict, call: dict) -> None:
+def assert_one_call_chain(trace: dict, call: dict, qwen3) -> None:
     """One main call as the main chain: prompt (0), the reply (1), with the call's own ids and
     logprobs; the reply holds the file in the edit format."""
     assert trace["call_ids"] == [call["call_id"]]
@@ -192,6 +192,7 @@ def assert_one_call_chain(trace: dict, call: dict) -> None:
     n = len(call["prompt_token_ids"])
     assert [v for v, _, _ in mask_runs(mask)] == [0, 1] and mask[n - 1 : n + 1] == [0, 1]
     assert lps[n:] == pytest.approx(call["output_logprobs"], abs=1e-6)
+    assert f"{FILE_NAME}\n```\n{FILE_TEXT}\n```" in qwen3.decode(ids[n:])
 
 
 def assert_rerendered(mains: list[dict], main_calls: list[dict], qwen3) -> None:
@@ -383,7 +384,7 @@ def test_real_harness(name, harness_session, qwen3):
         assert_rerendered(mains, main_calls, qwen3)
     elif name in ONE_CALL:
         assert len(mains) == 1, [(t["role"], t["call_ids"], t["break_reason"]) for t in seen.traces]
-        assert_one_call_chain(mains[0], main_calls[0])
+        assert_one_call_chain(mains[0], main_calls[0], qwen3)
     else:
         assert len(mains) == 1, [(t["role"], t["call_ids"], t["break_reason"]) for t in seen.traces]
         assert_one_main_chain(mains[0], main_calls, qwen3)
