@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the PyPI harnesses the e2e tests run (mini-SWE-agent, OpenHands SDK, Hermes Agent),
-# unmodified, at the versions pinned in tests/e2e/pypi/pins.txt, each into a venv of its own (their
+# Installs the PyPI harnesses the e2e tests run (mini-SWE-agent, OpenHands SDK, Hermes Agent,
+# Aider), unmodified, at the versions pinned in tests/e2e/pypi/pins.txt, each into a venv of its own (their
 # dependencies clash) under a cache dir that survives fresh clones: $POLAR_PY_HARNESS_DIR, default
 # ~/.cache/polar-mitm/py-harnesses/<name>. A venv is rebuilt only when its pin changed (a stamp).
 # Arguments: the names to install (default: all). Prints the cache dir on success; exits non-zero,

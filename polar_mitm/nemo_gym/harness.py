@@ -117,6 +117,23 @@ def _kilo_configure(home: Path, model: str, bin_dir: Path) -> None:
     (home / ".config" / "opencode" / "opencode.json").rename(folder / "kilo.json")
 
 
+def _aider_configure(home: Path, model: str, bin_dir: Path) -> None:
+    """Aider reads ~/.aider.model.metadata.json (LiteLLM's model-info shape): the model's
+    context and a zero price. Without an entry for the model it fetches LiteLLM's price map from
+    raw.githubusercontent.com (aider's own ModelInfoManager; LITELLM_LOCAL_MODEL_COST_MAP does not
+    stop it), a host outside the capture, and warns that the model is unknown."""
+    info = {
+        "max_input_tokens": 32768,
+        "max_output_tokens": 8192,
+        "input_cost_per_token": 0,
+        "output_cost_per_token": 0,
+        "litellm_provider": "openai",
+        "mode": "chat",
+    }
+    metadata = {f"openai/{model}": info}
+    (home / ".aider.model.metadata.json").write_text(json.dumps(metadata, indent=2))
+
+
 # Placeholders in a harness's arguments, filled in for each run.
 MODEL, PROMPT = "{model}", "{prompt}"
 
@@ -246,6 +263,21 @@ HARNESSES: dict[str, Harness] = {
             "KILO_DISABLE_AUTOUPDATE": "1",
             "KILO_TELEMETRY_LEVEL": "off",  # PostHog events: sent only when "all"
         },
+    ),
+    "aider": Harness(
+        "aider",
+        "aider",
+        "OPENAI_API_KEY",
+        # LiteLLM's OpenAI provider at its default host; one LLM call per --message, its reply
+        # the file in the whole-file edit format; every confirmation answered yes (shell
+        # commands the model suggests are not run: they need an explicit yes); no git (so no
+        # commit message from the weak model), no update check, no analytics.
+        ("--model", "openai/" + MODEL, "--edit-format", "whole", "--yes-always", "--no-git")
+        + ("--no-check-update", "--analytics-disable", "--message", PROMPT),
+        configure=_aider_configure,
+        # else LiteLLM fetches its price map from GitHub at import (outside the capture)
+        extra_env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        venv="aider",
     ),
 }
 

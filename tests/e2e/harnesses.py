@@ -138,6 +138,7 @@ _ALL = (
     _as_the_agent_runs_it("hermes", "hermes-agent", "responses"),
     _as_the_agent_runs_it("cline", "cline", "chat"),
     _as_the_agent_runs_it("kilo", "@kilocode/cli", "chat"),
+    _as_the_agent_runs_it("aider", "aider-chat", "chat"),
 )
 # The harnesses the selected pins hold (the previous release's pins have no Qwen Code, OpenCode
 # or Gemini CLI).

@@ -57,6 +57,7 @@ ROLLOUTS = {
     "hermes": ("harness-hermes.8", "api_key"),
     "cline": ("harness-cline.9", "api_key"),
     "kilo": ("harness-kilo.10", "api_key"),
+    "aider": ("harness-aider.11", "api_key"),
 }
 # How each rollout ends: through the control plane with a reward (what a trainer does once it has
 # scored the workdir), or, left open, at proxy shutdown as `incomplete`. Both paths are run.
@@ -73,6 +74,7 @@ ENDED_BY = {
     "hermes": "control",
     "cline": "control",
     "kilo": "shutdown",
+    "aider": "control",
 }
 CONTROL_TOKEN = "e2e-control-token"
 # vLLM's refusal of an output cap (Claude Code asks 128000): 0.33's of a cap above max_model_len,
@@ -87,6 +89,17 @@ CAP_REFUSED = re.compile(
 # back the content before its tool call as streamed, its trailing "\n" included, where the
 # template adds one more.
 HANDS_BACK_WHITESPACE = {"qwen", "opencode", "mini-swe-agent", "cline", "kilo"}
+# Harnesses that edit through a text edit format, not tools: Aider makes one LLM call per
+# --message (its reply is the file, in the whole-file format) and, as that format writes every
+# line with its newline, the file ends in one.
+ONE_CALL = {"aider"}
+
+
+def file_text(name: str) -> str:
+    """What the task's file holds once the harness made it."""
+    return FILE_TEXT + "\n" if name in ONE_CALL else FILE_TEXT
+
+
 # Log lines that are expected and are not API errors.
 KNOWN_NOISE = {
     # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.
@@ -167,6 +180,19 @@ def assert_one_main_chain(trace: dict, main_calls: list[dict], qwen3) -> None:
     assert all(lp == 0 for lp in lps[r0:r_end])
     tool_result = qwen3.decode(ids[r0:r_end])
     assert FILE_TEXT in tool_result and "<tool_response>" in tool_result, tool_result
+
+
+def assert_one_call_chain(trace: dict, call: dict, qwen3) -> None:
+    """One main call as the main chain: prompt (0), the reply (1), with the call's own ids and
+    logprobs; the reply holds the file in the edit format."""
+    assert trace["call_ids"] == [call["call_id"]]
+    ids, mask, lps = trace["input_ids"], trace["loss_mask"], trace["logprobs"]
+    assert ids == call["prompt_token_ids"] + call["output_token_ids"]
+    assert len(mask) == len(ids) == len(lps)
+    n = len(call["prompt_token_ids"])
+    assert [v for v, _, _ in mask_runs(mask)] == [0, 1] and mask[n - 1 : n + 1] == [0, 1]
+    assert lps[n:] == pytest.approx(call["output_logprobs"], abs=1e-6)
+    assert f"{FILE_NAME}\n```\n{FILE_TEXT}\n```" in qwen3.decode(ids[n:])
 
 
 def assert_rerendered(mains: list[dict], main_calls: list[dict], qwen3) -> None:
@@ -327,13 +353,13 @@ def test_real_harness(name, harness_session, qwen3):
         if API_ERROR.search(line) and not any(p.search(line) for p in noise)
     ]
     assert errors == [], log
-    # The tool really ran.
-    assert (result.workdir / FILE_NAME).read_text() == FILE_TEXT, log
+    # The tool really ran (Aider: its edit was applied).
+    assert (result.workdir / FILE_NAME).read_text() == file_text(name), log
 
     # Every request the harness sent went through the proxy; LLM calls were captured, the other
     # paths of the captured hosts were answered locally and never reached the policy server.
     llm = [e for e in seen.wire if is_llm_request(e)]
-    assert len(llm) >= 2, seen.wire
+    assert len(llm) >= (1 if name in ONE_CALL else 2), seen.wire
     assert all(e["status"] == 200 for e in llm), [(e["path"], e["status"]) for e in llm]
     others = [e for e in seen.wire if e["host"] in POLAR_HOSTS and not is_llm_request(e)]
     for e in others:
@@ -351,10 +377,14 @@ def test_real_harness(name, harness_session, qwen3):
 
     # traces/: the main calls are the main chain (side calls such as titles are not in it).
     main_calls = [r for r in seen.calls if r["purpose"] == "main"]
-    assert len(main_calls) == 2, [(r["purpose"], r["path"]) for r in seen.calls]
+    want = 1 if name in ONE_CALL else 2
+    assert len(main_calls) == want, [(r["purpose"], r["path"]) for r in seen.calls]
     mains = [t for t in seen.traces if t["rollout_id"] == rollout and t["role"] == "main"]
     if name in HANDS_BACK_WHITESPACE:
         assert_rerendered(mains, main_calls, qwen3)
+    elif name in ONE_CALL:
+        assert len(mains) == 1, [(t["role"], t["call_ids"], t["break_reason"]) for t in seen.traces]
+        assert_one_call_chain(mains[0], main_calls[0], qwen3)
     else:
         assert len(mains) == 1, [(t["role"], t["call_ids"], t["break_reason"]) for t in seen.traces]
         assert_one_main_chain(mains[0], main_calls, qwen3)
