@@ -91,12 +91,14 @@ def test_exact_prefix_keeps_the_conversation_on_one_main_chain(name, harness_ses
     assert len(mains) == 1, [(t["role"], t["break_reason"]) for t in seen.traces]
     assert_one_main_chain(mains[0], main_calls, qwen3)
     side = [c for c in seen.calls if c["purpose"] != "main"]
-    if name == "opencode":  # its title call, first, on a side chain of its own
-        assert [c["purpose"] for c in side] == ["title"] and seen.calls[0] is side[0]
+    if name == "opencode":  # its title call, on a side chain of its own
+        # opencode sends the title call beside the first main call, so either may
+        # reach the proxy first: the title is found by what it asks, not by order.
+        assert [c["purpose"] for c in side] == ["title"]
         [title] = [t for t in seen.traces if t["role"] == "side"]
         assert (title["call_ids"], title["break_reason"]) == ([side[0]["call_id"]], "side_call")
-        assert "title generator" in llm[0]["body"]["messages"][0]["content"]
-        assert "tools" not in llm[0]["body"]
+        [asked] = [e for e in llm if "tools" not in e["body"]]
+        assert "title generator" in asked["body"]["messages"][0]["content"]
     else:  # Qwen Code made no side call
         assert side == [] and len(seen.traces) == 1
     assert ROLLOUTS[name][0] == mains[0]["rollout_id"]
