@@ -119,6 +119,7 @@ class CaptureAddon:
         self.exact = exact
         self.sinks = list(sinks)
         self.stall_timeout = 300.0
+        self.buffer_replies = False  # polar_upstream_stream=buffer
         self.connect_timeout = 10.0
         self.retokenize = retokenize
         self.control = control
@@ -182,6 +183,16 @@ class CaptureAddon:
             "polar_connect_timeout", str, "10", "Seconds to wait for the policy server to accept."
         )
         loader.add_option(
+            "polar_upstream_stream",
+            str,
+            "relay",
+            "How a streamed harness call reaches the policy server: 'relay' streams it and passes "
+            "each chunk on as it comes; 'buffer' asks for the whole reply at once and streams it "
+            "to the harness when complete (no per-token chunks for the server to build or the "
+            "proxy to parse: a headless farm's cheapest setting; the harness sees no text until "
+            "the reply is done, and polar_upstream_timeout bounds the whole generation).",
+        )
+        loader.add_option(
             "polar_max_request_mb",
             int,
             64,
@@ -236,6 +247,13 @@ class CaptureAddon:
             _errors.fail(f"polar_other_paths: {opts.polar_other_paths!r} is not 'answer' or 'pass'")
         if "polar_model" in updated:
             self.served_model = opts.polar_model or None
+        if "polar_upstream_stream" in updated:
+            if opts.polar_upstream_stream not in ("relay", "buffer"):
+                _errors.fail(
+                    f"polar_upstream_stream: {opts.polar_upstream_stream!r} is not 'relay' or "
+                    "'buffer'"
+                )
+            self.buffer_replies = opts.polar_upstream_stream == "buffer"
 
     async def running(self) -> None:
         await self.gateway.start(self.connect_timeout, self.stall_timeout)
@@ -488,6 +506,7 @@ class CaptureAddon:
             retokenizer=self.retokenize.retokenizer if self.retokenize is not None else None,
             exact=book,
             max_model_len=self.max_model_len,
+            buffer_replies=self.buffer_replies,
         )
         if self.constraints is not None:
             settings.harness_constraints = self.constraints.mode

@@ -96,6 +96,7 @@ class UpstreamSettings:
     max_model_len: int | None = None  # from the server's GET /v1/models (token-in output caps)
     harness_constraints: str = PASS  # polar_harness_constraints (upstream/constraints.py)
     think_markers: ThinkMarkers | None = None  # from polar_tokenizer: where a grammar starts
+    buffer_replies: bool = False  # polar_upstream_stream=buffer: the upstream never streams
 
 
 _JSON = {"content-type": "application/json"}
@@ -188,10 +189,11 @@ class Call:
         upstream = self.settings.upstream
         model = self.settings.model or self.req.model or None
         plan = self.lookup.plan if self.lookup is not None else None
+        buffer = self.settings.buffer_replies
         if plan is not None:
             exact = self.settings.exact
             assert exact is not None
-            stream_upstream = self.req.stream and upstream.token_in_streams
+            stream_upstream = self.req.stream and upstream.token_in_streams and not buffer
             body = upstream.token_in_body(
                 msgspec.Raw(plan.prompt_json), plan.sampling, model=model, stream=stream_upstream
             )
@@ -209,7 +211,7 @@ class Call:
             self.record.model_served = model
             self.upstream_body = body
             return upstream.token_in_url, body, stream_upstream
-        stream_upstream = self.req.stream and upstream.streams_with_tokens
+        stream_upstream = self.req.stream and upstream.streams_with_tokens and not buffer
         body = upstream.request_body(
             upstream_chat(
                 self.req.chat, self.settings.harness_constraints, self.record.translation_notes

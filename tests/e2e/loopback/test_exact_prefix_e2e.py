@@ -388,3 +388,52 @@ def test_a_token_in_call_whose_server_is_gone_is_an_error_in_the_dialect(
         ("token_in", "error"),
     ]
     assert "unreachable" in calls[1]["error"] and calls[1]["http_status"] == 502
+
+
+@pytest.mark.parametrize("dialect", ["openai_chat", "anthropic_messages", "openai_responses"])
+def test_buffered_replies_stream_the_same_to_the_harness(make_policy_server, make_mitm, dialect):
+    """polar_upstream_stream=buffer: the server is asked for whole replies (chat and token-in
+    alike), the harness still gets its own dialect's stream, the same one relaying gives, and the
+    records hold the same ids and logprobs."""
+    import httpx
+
+    from tests.e2e.loopback.test_dialects_e2e import SCENARIO as DIALECTS
+
+    server = make_policy_server(SCENARIO if dialect == "openai_chat" else DIALECTS)
+    tok = str(qwen3_tokenizer_dir())
+    relayed = make_mitm(server.url, polar_tokenizer=tok, polar_exact_prefix="true")
+    buffered = make_mitm(
+        server.url, polar_tokenizer=tok, polar_exact_prefix="true", polar_upstream_stream="buffer"
+    )
+
+    def talk(mitm, rollout: str) -> list:
+        if dialect == "openai_chat":
+            with openai_client(mitm, api_key=f"polar-{rollout}") as client:
+                return [seen(r) for r in converse(client, stream=True, drift=False)[0]]
+        converse_in = (
+            _messages_conversation if dialect == "anthropic_messages" else _responses_conversation
+        )
+        return converse_in(mitm, rollout)[0]
+
+    relayed_seen = talk(relayed, "buf.0")
+    sent_before = len(httpx.get(server.url + "/_polar/requests", timeout=10).json())
+    buffered_seen = talk(buffered, "buf.1")
+    assert relayed.stop() == 0 and buffered.stop() == 0
+    assert buffered_seen == relayed_seen and len(buffered_seen) >= 3
+
+    upstream = httpx.get(server.url + "/_polar/requests", timeout=10).json()[sent_before:]
+    llm = [u for u in upstream if u["path"] in ("/v1/chat/completions", "/v1/completions")]
+    assert {u["path"] for u in llm} == {"/v1/chat/completions", "/v1/completions"}
+    assert [bool(u["body"].get("stream")) for u in llm] == [False] * len(llm)
+
+    relay_calls, _ = records(relayed.output, "buf.0")
+    buffer_calls, [trace] = records(buffered.output, "buf.1")
+    assert [c["stream"] for c in buffer_calls] == [True] * len(buffer_calls)
+    assert [c["route"] for c in buffer_calls] == [c["route"] for c in relay_calls]
+    for relay, buffer in zip(relay_calls, buffer_calls, strict=True):
+        assert buffer["status"] == "completed" and buffer["trainable"], buffer
+        assert buffer["prompt_token_ids"] == relay["prompt_token_ids"]
+        assert buffer["output_token_ids"] == relay["output_token_ids"]
+        assert buffer["output_logprobs"] == pytest.approx(relay["output_logprobs"])
+    last = buffer_calls[-1]
+    assert trace["input_ids"] == last["prompt_token_ids"] + last["output_token_ids"]
