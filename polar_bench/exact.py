@@ -44,17 +44,10 @@ from polar_mitm.tokens.conversation import render_input
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.trajectory.exact_prefix import ExactPrefix
 
+from . import core
+
 CLOCK = time.thread_time
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "run_shell",
-            "description": "Run a shell command and return its output.",
-            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = core.SHELL_TOOLS
 IM_END = "<|im_end|>"
 
 
@@ -166,48 +159,21 @@ PROXY_SCENARIO = {
 
 def proxy_figures(conversations: int = 6) -> dict:
     """Proxy CPU and time per call, chat mode vs exact-prefix mode (real mitmdump)."""
-    import tempfile
-    from pathlib import Path
-
-    import httpx
-
-    from polar_mitm.certs import ensure_ca
-
-    from . import core
-
+    tokenizer = str(qwen3_tokenizer_dir())
+    modes = {
+        mode: {"polar_tokenizer": tokenizer, "polar_exact_prefix": str(mode == "exact").lower()}
+        for mode in ("chat", "exact")
+    }
+    got = core.proxy_cpu_by_mode(
+        PROXY_SCENARIO,
+        modes,
+        lambda client, mode: _tool_loops(client, 1, f"warm-{mode}"),
+        lambda client, mode: _tool_loops(client, conversations, mode),
+    )
     out: dict = {}
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        scenario = tmp / "scenario.json"
-        scenario.write_text(json.dumps(PROXY_SCENARIO))
-        confdir = tmp / "certs"
-        ensure_ca(confdir)
-        server, url = core.start_server(tmp, scenario, 0, "server")
-        try:
-            for mode in ("chat", "exact"):
-                options = {
-                    "polar_tokenizer": str(qwen3_tokenizer_dir()),
-                    "polar_exact_prefix": "true" if mode == "exact" else "false",
-                }
-                proxy, port = core.start_proxy(
-                    tmp, "polar-mitm", url, confdir, name=mode, options=options
-                )
-                try:
-                    with httpx.Client(
-                        proxy=f"http://127.0.0.1:{port}",
-                        verify=str(confdir / "mitmproxy-ca-cert.pem"),
-                        timeout=60,
-                    ) as client:
-                        _tool_loops(client, 1, f"warm-{mode}")
-                        cpu0 = proxy.cpu_seconds()
-                        times = _tool_loops(client, conversations, mode)
-                        cpu = proxy.cpu_seconds() - cpu0
-                finally:
-                    proxy.stop()
-                out[f"proxy_ms_cpu_per_call_{mode}"] = cpu / len(times) * 1e3
-                out[f"proxy_ms_ttlb_p50_{mode}"] = statistics.median(times) * 1e3
-        finally:
-            server.stop()
+    for mode, (cpu, times) in got.items():
+        out[f"proxy_ms_cpu_per_call_{mode}"] = cpu / len(times) * 1e3
+        out[f"proxy_ms_ttlb_p50_{mode}"] = statistics.median(times) * 1e3
     out["proxy_cpu_exact_vs_chat"] = (
         out["proxy_ms_cpu_per_call_exact"] / out["proxy_ms_cpu_per_call_chat"]
     )

@@ -44,17 +44,10 @@ from polar_mitm.tokens.fidelity import CHECK, OFF, FidelityStage
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.trajectory.rollouts import Rollouts
 
+from . import core
+
 CLOCK = time.thread_time
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "run_shell",
-            "description": "Run a shell command and return its output.",
-            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = core.SHELL_TOOLS
 OUTPUT = "\n".join(f"line {i}: some tool output with words and numbers {i * 7}" for i in range(12))
 
 
@@ -213,47 +206,20 @@ PROXY_SCENARIO = {
 
 def proxy_figures(calls: int = 60) -> dict:
     """Proxy CPU per call with polar_fidelity=off vs check (real mitmdump + reference server)."""
-    import tempfile
-    from pathlib import Path
-
-    import httpx
-
-    from polar_mitm.certs import ensure_ca
-
-    from . import core
-
-    out: dict = {}
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        scenario = tmp / "scenario.json"
-        scenario.write_text(json.dumps(PROXY_SCENARIO))
-        confdir = tmp / "certs"
-        ensure_ca(confdir)
-        server, url = core.start_server(tmp, scenario, 0, "server")
-        try:
-            for mode in ("off", "check"):
-                options = {
-                    "polar_fidelity": mode,
-                    "polar_tokenizer": str(qwen3_tokenizer_dir()),
-                }
-                proxy, port = core.start_proxy(
-                    tmp, "polar-mitm", url, confdir, name=mode, options=options
-                )
-                try:
-                    with httpx.Client(
-                        proxy=f"http://127.0.0.1:{port}",
-                        verify=str(confdir / "mitmproxy-ca-cert.pem"),
-                        timeout=60,
-                    ) as client:
-                        _conversations(client, 4, f"warm-{mode}")
-                        cpu0 = proxy.cpu_seconds()
-                        _conversations(client, calls // 2, mode)
-                        cpu = proxy.cpu_seconds() - cpu0
-                finally:
-                    proxy.stop()
-                out[f"proxy_ms_cpu_per_call_{mode}"] = cpu / (2 * (calls // 2)) * 1e3
-        finally:
-            server.stop()
+    tokenizer = str(qwen3_tokenizer_dir())
+    modes = {
+        mode: {"polar_fidelity": mode, "polar_tokenizer": tokenizer} for mode in ("off", "check")
+    }
+    got = core.proxy_cpu_by_mode(
+        PROXY_SCENARIO,
+        modes,
+        lambda client, mode: _conversations(client, 4, f"warm-{mode}"),
+        lambda client, mode: _conversations(client, calls // 2, mode),
+    )
+    out: dict = {
+        f"proxy_ms_cpu_per_call_{mode}": cpu / (2 * (calls // 2)) * 1e3
+        for mode, (cpu, _) in got.items()
+    }
     out["proxy_cpu_check_vs_off"] = (
         out["proxy_ms_cpu_per_call_check"] / out["proxy_ms_cpu_per_call_off"]
     )

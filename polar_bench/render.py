@@ -44,10 +44,11 @@ def provenance(run: dict, name: str) -> str:
     versions = m.get("versions", {})
     named = ", ".join(f"{k} {versions[k]}" for k in ("polar-mitm", "mitmproxy") if k in versions)
     command = " ".join(["python -m polar_bench", run["scenario"], *run.get("argv", [])])
+    end = f", {m['load_avg_1m_end']:.1f} at the end" if "load_avg_1m_end" in m else ""
     return (
         f"`{command}` ({name}), measured {run.get('measured_at', '?')} on {m.get('cpu', '?')}, "
         f"{m.get('cpus', '?')} CPUs, load average {m.get('load_avg_1m', float('nan')):.1f} at "
-        f"the start; Python {m.get('python', '?')}, {named}."
+        f"the start{end}; Python {m.get('python', '?')}, {named}."
     )
 
 
