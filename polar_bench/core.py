@@ -469,6 +469,23 @@ def report(
     return rows
 
 
+def report_figures(
+    out: dict[str, float],
+    labels: dict[str, str],
+    scenario: str,
+    path: Path | None,
+    argv: list[str],
+) -> None:
+    """An in-process scenario's end: its figures printed one a line (`key value`), and with
+    --json saved as a run whose table is a row a figure (its label, its value; the documents
+    render it: render.py)."""
+    for key, value in out.items():
+        print(f"{key:40s} {value:10.2f}")
+    if path:
+        rows = [(labels.get(k, k), f"{v:.2f}") for k, v in out.items()]
+        save({"figures": out, "header": ("figure", "value"), "table": rows}, path, scenario, argv)
+
+
 def print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
     widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *rows]:

@@ -35,7 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.core.record import CallRecord
@@ -316,6 +318,18 @@ def long_figures(turns: int = 30) -> dict:
     }
 
 
+# The figures' names in a saved run's table (those not named here show their key).
+LABELS = {
+    "exact_calls": "calls of the tool loop",
+    "exact_token_in_calls": "of which token-in",
+    "exact_prompt_tokens_last": "the last prompt's tokens",
+    "exact_hot_ms_cpu_per_call": "hot path (plan + remember), ms CPU per call, whole rollout",
+    "exact_hot_ms_cpu_first_quarter": "hot path, ms CPU per call, first quarter of the rollout",
+    "exact_hot_ms_cpu_last_quarter": "hot path, ms CPU per call, last quarter of the rollout",
+    "exact_compare_ms_cpu_per_call": "polar_exact_compare (off the hot path), ms CPU per call",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=None, help="40; --long: 30")
@@ -324,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--proxy", action="store_true", help="measure the whole proxy (mitmdump)")
     ap.add_argument("--long", action="store_true", help="the hot path on the long load's sessions")
     ap.add_argument("--conversations", type=int, default=6, help="tool loops per proxy (--proxy)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
     if args.proxy:
         out = proxy_figures(args.conversations)
@@ -331,8 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         out = long_figures(args.turns or 30)
     else:
         out = figures(args.smoke, args.turns or 40, args.repeat)
-    for key, value in out.items():
-        print(f"{key:40s} {value:10.2f}")
+    argv = sys.argv[1:] if argv is None else argv
+    core.report_figures(out, LABELS, "exact", args.json, argv)
 
 
 if __name__ == "__main__":

@@ -342,7 +342,8 @@ def report_farm(results: dict[str, Any]) -> list[tuple[str, ...]]:
             *(ratio(c, "pair_cpu_ms_per_call", direct) for c in COLUMNS[1:]),
         ),
         (
-            "ratio: proxy CPU per event / mitm-stream's (goal <= 1.5 per chunk)",
+            "ratio: proxy CPU per event / mitm-stream's (goal <= 1.5 per chunk: an event is "
+            "a chunk in relayed chat mode only)",
             "-",
             "1.00",
             *(ratio(c, "proxy_cpu_us_per_event", stream_event) for c in COLUMNS[2:]),

@@ -33,8 +33,10 @@ import argparse
 import copy
 import gc
 import json
+import sys
 import time
 from array import array
+from pathlib import Path
 
 from polar_mitm.addons.pipeline import CallPipeline
 from polar_mitm.assets import qwen3_tokenizer_dir
@@ -247,6 +249,21 @@ def _conversations(client, n: int, tag: str) -> None:
                 ]
 
 
+# The figures' names in a saved run's table (those not named here show their key).
+LABELS = {
+    "fidelity_us_per_call_off": "off (merge + the calls/ row), us per call",
+    "fidelity_us_per_call_check": "check, clean rollout, us per call",
+    "fidelity_check_vs_off": "check / off, clean rollout",
+    "fidelity_us_per_call_check_drifting": "check, every 4th call re-renders an earlier turn without "
+    "its reasoning, us per call",
+    "fidelity_check_vs_off_drifting": "check / off, drifting rollout",
+    "fidelity_prompt_tokens_last": "the last prompt's tokens",
+    "proxy_ms_cpu_per_call_off": "proxy CPU per call, polar_fidelity=off, ms",
+    "proxy_ms_cpu_per_call_check": "proxy CPU per call, check (Qwen3 tokenizer), ms",
+    "proxy_cpu_check_vs_off": "proxy CPU per call, check / off",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=40)
@@ -255,13 +272,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny counts: only checks that it runs")
     ap.add_argument("--proxy", action="store_true", help="measure the whole proxy (mitmdump)")
     ap.add_argument("--calls", type=int, default=60, help="calls per proxy with --proxy")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
     if args.proxy:
         out = proxy_figures(args.calls)
     else:
         out = figures(args.smoke, args.turns, args.repeat, args.drift_every)
-    for key, value in out.items():
-        print(f"{key:40s} {value:10.2f}")
+    argv = sys.argv[1:] if argv is None else argv
+    core.report_figures(out, LABELS, "fidelity", args.json, argv)
 
 
 if __name__ == "__main__":
