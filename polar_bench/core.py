@@ -273,6 +273,23 @@ def proxy_cpu_by_mode(
     return out
 
 
+def records(data: Path, prefix: str) -> tuple[list[dict], list[dict]]:
+    """A polar-mitm column's calls and traces from its output folder: those of the rollouts
+    named `prefix`... (the benchmark's own, not its warm-up's)."""
+    from polar_mitm.store import read_table
+
+    calls = [c for c in read_table(data, "calls").to_pylist() if c["rollout_id"].startswith(prefix)]
+    traces = [
+        t for t in read_table(data, "traces").to_pylist() if t["rollout_id"].startswith(prefix)
+    ]
+    return calls, traces
+
+
+def routes(calls: list[dict]) -> dict[str, int]:
+    """How the calls went upstream: the chat way, or token-in (exact-prefix mode)."""
+    return {r: sum(c["route"] == r for c in calls) for r in ("chat", "token_in")}
+
+
 # -- the client ----------------------------------------------------------------------------------
 
 

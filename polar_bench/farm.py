@@ -227,12 +227,7 @@ def routes(data: Path) -> dict[str, Any]:
     checks that their ids are exact: from vLLM (not retokenized), the usage's counts agree,
     completed and trainable; one trace per rollout, whose ids are its last call's prompt and
     output (the merge saw one conversation)."""
-    from polar_mitm.store import read_table
-
-    mine = [c for c in read_table(data, "calls").to_pylist() if c["rollout_id"].startswith("farm")]
-    traces = [
-        t for t in read_table(data, "traces").to_pylist() if t["rollout_id"].startswith("farm")
-    ]
+    mine, traces = core.records(data, "farm")
     last: dict[str, dict] = {}
     for c in sorted(mine, key=lambda c: c["started_at"]):
         last[c["rollout_id"]] = c
@@ -242,7 +237,7 @@ def routes(data: Path) -> dict[str, Any]:
         if (r := t["rollout_id"]) in last and last[r]["prompt_token_ids"] is not None
     )
     return {
-        "routes": {r: sum(c["route"] == r for c in mine) for r in ("chat", "token_in")},
+        "routes": core.routes(mine),
         "output_tokens_per_call": sum(len(c["output_token_ids"] or ()) for c in mine)
         / max(len(mine), 1),
         "checks": {

@@ -130,14 +130,10 @@ def measure_vllm(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def _routes(data: Path) -> dict[str, Any]:
     """How the calls went upstream (token_in / chat) and how many traces per rollout."""
-    from polar_mitm.store import read_table
-
-    calls = read_table(data, "calls").to_pylist()
-    traces = read_table(data, "traces").to_pylist()
-    mine = [c for c in calls if c["rollout_id"].startswith("vllm-")]
+    mine, traces = core.records(data, "vllm-")
     rollouts = {c["rollout_id"] for c in mine}
     return {
-        "routes": {r: sum(c["route"] == r for c in mine) for r in ("chat", "token_in")},
+        "routes": core.routes(mine),
         "traces_per_rollout": sum(t["rollout_id"] in rollouts for t in traces)
         / max(len(rollouts), 1),
     }
