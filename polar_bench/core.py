@@ -499,8 +499,19 @@ def report_figures(
     for key, value in out.items():
         print(f"{key:40s} {value:10.2f}")
     if path:
-        rows = [(labels.get(k, k), f"{v:.2f}") for k, v in out.items()]
-        save({"figures": out, "header": ("figure", "value"), "table": rows}, path, scenario, argv)
+        rows = figure_rows(out, labels)
+        save({"figures": out, "header": FIGURE_HEADER, "table": rows}, path, scenario, argv)
+
+
+FIGURE_HEADER = ("figure", "value")
+
+
+def figure_rows(out: dict[str, float], labels: dict[str, str]) -> list[tuple[str, str]]:
+    """A row a figure: its label (else its key) and its value (a count without decimals)."""
+    return [
+        (labels.get(k, k), f"{v:,.0f}" if float(v).is_integer() else f"{v:.2f}")
+        for k, v in out.items()
+    ]
 
 
 def print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:

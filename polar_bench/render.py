@@ -59,7 +59,7 @@ def provenance(run: dict, name: str) -> str:
 def rows_of(run: dict) -> tuple[tuple[str, ...] | None, list | None]:
     """A run's header and rows: its scenario's report of its figures, as the scenario prints it
     today (so a report's fix shows on every saved run), else the rows the run saved."""
-    from . import farm, long, vllm
+    from . import core, exact, farm, fidelity, long, vllm
 
     reports = {
         "long": (long.HEADER, long.report_long),
@@ -69,6 +69,9 @@ def rows_of(run: dict) -> tuple[tuple[str, ...] | None, list | None]:
     if run["scenario"] in reports:
         header, report = reports[run["scenario"]]
         return header, report(run)
+    labels = {"exact": exact.LABELS, "fidelity": fidelity.LABELS}
+    if run["scenario"] in labels and "figures" in run:  # a row a figure, named as today
+        return core.FIGURE_HEADER, core.figure_rows(run["figures"], labels[run["scenario"]])
     return run.get("header"), run.get("table")
 
 
