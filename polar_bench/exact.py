@@ -35,7 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from polar_mitm.assets import qwen3_tokenizer_dir
 from polar_mitm.core.record import CallRecord
@@ -44,17 +46,10 @@ from polar_mitm.tokens.conversation import render_input
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.trajectory.exact_prefix import ExactPrefix
 
+from . import core
+
 CLOCK = time.thread_time
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "run_shell",
-            "description": "Run a shell command and return its output.",
-            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = core.SHELL_TOOLS
 IM_END = "<|im_end|>"
 
 
@@ -166,48 +161,21 @@ PROXY_SCENARIO = {
 
 def proxy_figures(conversations: int = 6) -> dict:
     """Proxy CPU and time per call, chat mode vs exact-prefix mode (real mitmdump)."""
-    import tempfile
-    from pathlib import Path
-
-    import httpx
-
-    from polar_mitm.certs import ensure_ca
-
-    from . import core
-
+    tokenizer = str(qwen3_tokenizer_dir())
+    modes = {
+        mode: {"polar_tokenizer": tokenizer, "polar_exact_prefix": str(mode == "exact").lower()}
+        for mode in ("chat", "exact")
+    }
+    got = core.proxy_cpu_by_mode(
+        PROXY_SCENARIO,
+        modes,
+        lambda client, mode: _tool_loops(client, 1, f"warm-{mode}"),
+        lambda client, mode: _tool_loops(client, conversations, mode),
+    )
     out: dict = {}
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        scenario = tmp / "scenario.json"
-        scenario.write_text(json.dumps(PROXY_SCENARIO))
-        confdir = tmp / "certs"
-        ensure_ca(confdir)
-        server, url = core.start_server(tmp, scenario, 0, "server")
-        try:
-            for mode in ("chat", "exact"):
-                options = {
-                    "polar_tokenizer": str(qwen3_tokenizer_dir()),
-                    "polar_exact_prefix": "true" if mode == "exact" else "false",
-                }
-                proxy, port = core.start_proxy(
-                    tmp, "polar-mitm", url, confdir, name=mode, options=options
-                )
-                try:
-                    with httpx.Client(
-                        proxy=f"http://127.0.0.1:{port}",
-                        verify=str(confdir / "mitmproxy-ca-cert.pem"),
-                        timeout=60,
-                    ) as client:
-                        _tool_loops(client, 1, f"warm-{mode}")
-                        cpu0 = proxy.cpu_seconds()
-                        times = _tool_loops(client, conversations, mode)
-                        cpu = proxy.cpu_seconds() - cpu0
-                finally:
-                    proxy.stop()
-                out[f"proxy_ms_cpu_per_call_{mode}"] = cpu / len(times) * 1e3
-                out[f"proxy_ms_ttlb_p50_{mode}"] = statistics.median(times) * 1e3
-        finally:
-            server.stop()
+    for mode, (cpu, times) in got.items():
+        out[f"proxy_ms_cpu_per_call_{mode}"] = cpu / len(times) * 1e3
+        out[f"proxy_ms_ttlb_p50_{mode}"] = statistics.median(times) * 1e3
     out["proxy_cpu_exact_vs_chat"] = (
         out["proxy_ms_cpu_per_call_exact"] / out["proxy_ms_cpu_per_call_chat"]
     )
@@ -350,6 +318,18 @@ def long_figures(turns: int = 30) -> dict:
     }
 
 
+# The figures' names in a saved run's table (those not named here show their key).
+LABELS = {
+    "exact_calls": "calls of the tool loop",
+    "exact_token_in_calls": "of which token-in",
+    "exact_prompt_tokens_last": "the last prompt's tokens",
+    "exact_hot_ms_cpu_per_call": "hot path (plan + remember), ms CPU per call, whole rollout",
+    "exact_hot_ms_cpu_first_quarter": "hot path, ms CPU per call, first quarter of the rollout",
+    "exact_hot_ms_cpu_last_quarter": "hot path, ms CPU per call, last quarter of the rollout",
+    "exact_compare_ms_cpu_per_call": "polar_exact_compare (off the hot path), ms CPU per call",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=None, help="40; --long: 30")
@@ -358,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--proxy", action="store_true", help="measure the whole proxy (mitmdump)")
     ap.add_argument("--long", action="store_true", help="the hot path on the long load's sessions")
     ap.add_argument("--conversations", type=int, default=6, help="tool loops per proxy (--proxy)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
     if args.proxy:
         out = proxy_figures(args.conversations)
@@ -365,8 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         out = long_figures(args.turns or 30)
     else:
         out = figures(args.smoke, args.turns or 40, args.repeat)
-    for key, value in out.items():
-        print(f"{key:40s} {value:10.2f}")
+    argv = sys.argv[1:] if argv is None else argv
+    core.report_figures(out, LABELS, "exact", args.json, argv)
 
 
 if __name__ == "__main__":

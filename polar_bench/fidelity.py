@@ -33,8 +33,10 @@ import argparse
 import copy
 import gc
 import json
+import sys
 import time
 from array import array
+from pathlib import Path
 
 from polar_mitm.addons.pipeline import CallPipeline
 from polar_mitm.assets import qwen3_tokenizer_dir
@@ -44,17 +46,10 @@ from polar_mitm.tokens.fidelity import CHECK, OFF, FidelityStage
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.trajectory.rollouts import Rollouts
 
+from . import core
+
 CLOCK = time.thread_time
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "run_shell",
-            "description": "Run a shell command and return its output.",
-            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = core.SHELL_TOOLS
 OUTPUT = "\n".join(f"line {i}: some tool output with words and numbers {i * 7}" for i in range(12))
 
 
@@ -213,47 +208,20 @@ PROXY_SCENARIO = {
 
 def proxy_figures(calls: int = 60) -> dict:
     """Proxy CPU per call with polar_fidelity=off vs check (real mitmdump + reference server)."""
-    import tempfile
-    from pathlib import Path
-
-    import httpx
-
-    from polar_mitm.certs import ensure_ca
-
-    from . import core
-
-    out: dict = {}
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        scenario = tmp / "scenario.json"
-        scenario.write_text(json.dumps(PROXY_SCENARIO))
-        confdir = tmp / "certs"
-        ensure_ca(confdir)
-        server, url = core.start_server(tmp, scenario, 0, "server")
-        try:
-            for mode in ("off", "check"):
-                options = {
-                    "polar_fidelity": mode,
-                    "polar_tokenizer": str(qwen3_tokenizer_dir()),
-                }
-                proxy, port = core.start_proxy(
-                    tmp, "polar-mitm", url, confdir, name=mode, options=options
-                )
-                try:
-                    with httpx.Client(
-                        proxy=f"http://127.0.0.1:{port}",
-                        verify=str(confdir / "mitmproxy-ca-cert.pem"),
-                        timeout=60,
-                    ) as client:
-                        _conversations(client, 4, f"warm-{mode}")
-                        cpu0 = proxy.cpu_seconds()
-                        _conversations(client, calls // 2, mode)
-                        cpu = proxy.cpu_seconds() - cpu0
-                finally:
-                    proxy.stop()
-                out[f"proxy_ms_cpu_per_call_{mode}"] = cpu / (2 * (calls // 2)) * 1e3
-        finally:
-            server.stop()
+    tokenizer = str(qwen3_tokenizer_dir())
+    modes = {
+        mode: {"polar_fidelity": mode, "polar_tokenizer": tokenizer} for mode in ("off", "check")
+    }
+    got = core.proxy_cpu_by_mode(
+        PROXY_SCENARIO,
+        modes,
+        lambda client, mode: _conversations(client, 4, f"warm-{mode}"),
+        lambda client, mode: _conversations(client, calls // 2, mode),
+    )
+    out: dict = {
+        f"proxy_ms_cpu_per_call_{mode}": cpu / (2 * (calls // 2)) * 1e3
+        for mode, (cpu, _) in got.items()
+    }
     out["proxy_cpu_check_vs_off"] = (
         out["proxy_ms_cpu_per_call_check"] / out["proxy_ms_cpu_per_call_off"]
     )
@@ -281,6 +249,21 @@ def _conversations(client, n: int, tag: str) -> None:
                 ]
 
 
+# The figures' names in a saved run's table (those not named here show their key).
+LABELS = {
+    "fidelity_us_per_call_off": "off (merge + the calls/ row), us per call",
+    "fidelity_us_per_call_check": "check, clean rollout, us per call",
+    "fidelity_check_vs_off": "check / off, clean rollout",
+    "fidelity_us_per_call_check_drifting": "check, every 4th call re-renders an earlier turn without "
+    "its reasoning, us per call",
+    "fidelity_check_vs_off_drifting": "check / off, drifting rollout",
+    "fidelity_prompt_tokens_last": "the last prompt's tokens",
+    "proxy_ms_cpu_per_call_off": "proxy CPU per call, polar_fidelity=off, ms",
+    "proxy_ms_cpu_per_call_check": "proxy CPU per call, check (Qwen3 tokenizer), ms",
+    "proxy_cpu_check_vs_off": "proxy CPU per call, check / off",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=40)
@@ -289,13 +272,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny counts: only checks that it runs")
     ap.add_argument("--proxy", action="store_true", help="measure the whole proxy (mitmdump)")
     ap.add_argument("--calls", type=int, default=60, help="calls per proxy with --proxy")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
     if args.proxy:
         out = proxy_figures(args.calls)
     else:
         out = figures(args.smoke, args.turns, args.repeat, args.drift_every)
-    for key, value in out.items():
-        print(f"{key:40s} {value:10.2f}")
+    argv = sys.argv[1:] if argv is None else argv
+    core.report_figures(out, LABELS, "fidelity", args.json, argv)
 
 
 if __name__ == "__main__":

@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = asyncio.run(rounds(ts, args.sessions, args.rounds))
             after = scrape(f"http://127.0.0.1:{control}", None)
         finally:
-            for t in ts.values():
-                if t.child is not None:
-                    t.child.stop()
+            core.stop_targets(ts)
             server.stop()
     result = figures(runs, before, after)
     result["config"] = {k: str(v) for k, v in vars(args).items()}

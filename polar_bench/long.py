@@ -11,10 +11,13 @@ Columns: direct (the yardstick for added latency), mitm-stream, capture-floor, p
 polar-mitm@half (the same proxy and sessions stopped at half the turns: its bytes per token is the
 figure the linear-storage goal compares against) and polar-mitm+exact (`polar_exact_prefix=true`
 with the Qwen3 tokenizer: every call after a session's first goes to the server's token-in
-endpoint as the chain's ids plus the new messages). Every turn, the columns take turns (rotating
+endpoint as the chain's ids plus the new messages) and polar-mitm+exact+buffer (the same with
+`polar_upstream_stream=buffer`: the server is asked for whole replies, and the proxy streams
+each to the harness when complete). Every turn, the columns take turns (rotating
 order), all sessions of a column at once, so drift on a shared machine moves every column alike.
 Figures: proxy CPU per call (all of a proxy's CPU from its first call to a settle after its last,
-over its calls), latency p50 of the first and last fifth of the turns, peak RSS (VmHWM), polar-mitm's
+over its calls), latency p50 of the first and last fifth of the turns (to the last byte, and to
+the first for the last fifth), peak RSS (VmHWM), polar-mitm's
 bytes on disk (the output folder after a clean stop) per token of the final conversations.
 """
 
@@ -44,6 +47,7 @@ LONG_COLUMNS = (
     "polar-mitm",
     "polar-mitm@half",
     "polar-mitm+exact",
+    "polar-mitm+exact+buffer",
 )
 # The long sessions' rollouts stay open for the whole run (a turn waits for the other columns)
 # and end as a farm ends them: its reward posted to the control plane (`end_rollouts`).
@@ -153,15 +157,18 @@ def reply(turn: int) -> tuple[str, str, dict[str, str]]:
 
 def column_options(column: str) -> dict[str, str]:
     """A polar-mitm column's --sets: exact-prefix mode renders new messages with the Qwen3
-    tokenizer and chat template the reference server uses."""
-    if column != "polar-mitm+exact":
+    tokenizer and chat template the reference server uses; `+buffer` asks the server for whole
+    replies (polar_upstream_stream=buffer)."""
+    if not column.startswith("polar-mitm+exact"):
         return LONG_OPTIONS
     from polar_mitm.assets import qwen3_tokenizer_dir
 
+    buffer = {"polar_upstream_stream": "buffer"} if column.endswith("+buffer") else {}
     return {
         **LONG_OPTIONS,
         "polar_exact_prefix": "true",
         "polar_tokenizer": str(qwen3_tokenizer_dir()),
+        **buffer,
     }
 
 
@@ -434,9 +441,7 @@ def measure_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         rss = {c: peak_rss_mb(t.child) for c, t in ts.items() if t.child is not None}
     finally:
-        for t in ts.values():
-            if t.child is not None:
-                t.child.stop()
+        core.stop_targets(ts)
         server.stop()
     out: dict[str, Any] = {
         "config": {"sessions": args.long_sessions, "turns": args.long_turns, "wall_s": wall},
@@ -451,6 +456,7 @@ def measure_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "errors": len(flat) - len(ok),
             "early_ms_p50": 1000 * p50([s.ttlb for t in per_turn[:fifth] for s in t if s.ok]),
             "late_ms_p50": 1000 * p50([s.ttlb for t in per_turn[-fifth:] for s in t if s.ok]),
+            "late_ttfb_ms_p50": 1000 * p50([s.ttfb for t in per_turn[-fifth:] for s in t if s.ok]),
             "first_call_ms": 1000 * first[column][0],
             "warm_call_ms": 1000 * first[column][1],
             "ttlb_ms_by_turn": [1000 * p50([s.ttlb for s in t if s.ok]) for t in per_turn],
@@ -515,17 +521,28 @@ def report_long(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]
                 f"{p / s:.2f}; {p / f:.2f}" if s > 0 and f > 0 else "",
             )
         )
-    exact = cols.get("polar-mitm+exact")
-    if exact is not None:  # token-in: its goals are against mitm-stream, and RSS chat mode's
-        for name, key, unit in (
+    for column, mode in (
+        ("polar-mitm+exact", "exact-prefix"),
+        ("polar-mitm+exact+buffer", "exact-prefix, buffered"),
+    ):
+        exact = cols.get(column)
+        if exact is None:  # a run saved before the column existed
+            continue
+        # token-in: its goals are against mitm-stream, and RSS chat mode's
+        figures = [
             ("proxy CPU per call", "cpu_ms_per_call", " ms"),
             ("latency p50, last fifth of the turns", "late_ms_p50", " ms"),
             ("peak RSS", "peak_rss_mb", " MB"),
-        ):
+        ]
+        if "late_ttfb_ms_p50" in exact:
+            figures.insert(
+                2, ("first byte p50, last fifth of the turns", "late_ttfb_ms_p50", " ms")
+            )
+        for name, key, unit in figures:
             e, s, f, p = exact[key], stream[key], floor[key], polar[key]
             rows.append(
                 (
-                    f"exact-prefix: {name} (chat mode {p:.1f})",
+                    f"{mode}: {name} (chat mode {p:.1f})",
                     f"{e:.1f}{unit}",
                     f"{s:.1f}",
                     f"{f:.1f}",
@@ -651,11 +668,8 @@ def main(argv: list[str] | None = None) -> int:
         results = measure_long(args, Path(d))
     with tempfile.TemporaryDirectory(prefix="polar-bench-open-") as d:
         results["open_rollouts"] = measure_open_rollouts(args, Path(d))
-    results["header"] = HEADER
-    results["table"] = rows = report_long(results)
-    core.print_table(rows, HEADER)
-    if args.json:
-        core.save(results, args.json, "long", sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    core.report(results, HEADER, report_long, "long", args.json, argv)
     return 0
 
 

@@ -22,11 +22,15 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import sys
 import time
 import tracemalloc
 from array import array
+from pathlib import Path
 
 from polar_mitm.trajectory.merge import Merger
+
+from . import core
 
 # CPU time of this thread: the figures hold on a shared machine (time spent descheduled is not
 # the merge's). The merge does no I/O, so its CPU time is its cost.
@@ -122,12 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lists", action="store_true", help="hand prompts as lists, not arrays")
     ap.add_argument("--cold", action="store_true", help="build every prompt before merging")
     ap.add_argument("--repeat", type=int, default=7, help="best of this many runs")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
 
     sizes = (args.turns, 2 * args.turns)
     every = {n: build(n, args.base, args.env, args.out, args.side_every, args.lists) for n in sizes}
     bests = alternate(every, args.repeat, args.cold)
     results = {}
+    table = []
     for turns in sizes:
         calls = every[turns]
         best, merger = bests.pop(turns)
@@ -153,6 +159,15 @@ def main(argv: list[str] | None = None) -> None:
         del prompts
         chain_tokens = sum(len(c) for c in merged.chains)
         results[turns] = best
+        table.append(
+            (
+                f"{turns} turns ({len(calls)} calls), final prompt {last.end:,} tokens",
+                f"{best * 1e3:.2f} ms ({best / len(calls) * 1e6:.1f} us/call)",
+                f"{last_us:.1f} us",
+                f"{peak / 2**20:.2f} MiB, {peak / chain_tokens:.1f} B/token, "
+                f"{len(merged.chains)} chain(s)",
+            )
+        )
         print(
             f"turns={turns:5d}  calls={len(calls):5d}  final prompt={last.end:7d} tok  "
             f"merge={best * 1e3:8.2f} ms ({best / len(calls) * 1e6:6.1f} us/call)  "
@@ -162,6 +177,20 @@ def main(argv: list[str] | None = None) -> None:
     ratio = results[2 * args.turns] / results[args.turns]
     kind = ("lists" if args.lists else "arrays") + (", built up front" if args.cold else "")
     print(f"time(2N)/time(N) = {ratio:.2f}  (goal <= 2.3; prompts as {kind})")
+    if args.json:
+        table.append(
+            (f"time(2N) / time(N) (goal <= 2.3; prompts as {kind})", f"{ratio:.2f}", "", "")
+        )
+        header = ("rollout", "merge, best of --repeat", "the last main call", "peak memory")
+        results_out = {"config": vars(args) | {"json": str(args.json)}, "time_2N_over_N": ratio}
+        core.report(
+            results_out,
+            header,
+            lambda _: table,
+            "merge",
+            args.json,
+            sys.argv[1:] if argv is None else argv,
+        )
 
 
 if __name__ == "__main__":

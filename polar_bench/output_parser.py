@@ -15,6 +15,7 @@ Prints the CPU per reply and per token (best of --repeat).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from array import array
 from pathlib import Path
@@ -27,6 +28,8 @@ from polar_mitm.output_parsers import family
 from polar_mitm.tokens.tokenizer import load_tokenizer
 from polar_mitm.trajectory.exact_prefix import ExactPlan
 from polar_mitm.upstream import UPSTREAMS, TokenTally
+
+from . import core
 
 SOURCE = Path(__file__).resolve().parent.parent / "polar_mitm" / "call" / "exchange.py"
 
@@ -72,19 +75,26 @@ def one_reply(tok, ids: list[int], pieces: list[str]) -> float:
     return time.process_time() - start
 
 
+HEADER = ("reply", "tokens", "ms CPU per reply (best of --repeat)", "us per token")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
     renderer = Renderer()
     tok = load_tokenizer(str(renderer.tokenizer_dir))
     inp = RenderInput(messages=[{"role": "user", "content": "go"}], tools=None, kwargs={})
-    print(f"{'reply':<28} {'tokens':>7} {'ms CPU per reply':>17} {'µs per token':>13}")
+    rows = []
     for name, turn in turns().items():
         completion = renderer.completion(inp, turn)
         ids, pieces = list(completion.ids), list(completion.pieces)
         best = min(one_reply(tok, ids, pieces) for _ in range(args.repeat))
-        print(f"{name:<28} {len(ids):>7} {best * 1e3:>17.2f} {best * 1e6 / len(ids):>13.1f}")
+        rows.append((name, str(len(ids)), f"{best * 1e3:.2f}", f"{best * 1e6 / len(ids):.1f}"))
+    results = {"config": {"repeat": args.repeat}}
+    argv = sys.argv[1:] if argv is None else argv
+    core.report(results, HEADER, lambda _: rows, "output-parser", args.json, argv)
 
 
 if __name__ == "__main__":

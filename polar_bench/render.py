@@ -1,9 +1,12 @@
-"""docs/performance.md's tables, rendered from the saved runs in polar_bench/runs/.
+"""The documentation's performance tables, rendered from the saved runs in polar_bench/runs/.
 
-    python -m polar_bench render            # rewrite the tables in docs/performance.md
+    python -m polar_bench render            # rewrite the tables in every page of docs/
     python -m polar_bench render --check    # exit 1 if a table is not what its run renders
+    python -m polar_bench render --doc F    # one page only
 
-A table in the page sits between two markers naming its run:
+docs/performance.md holds most of them; a design note (docs/fidelity.md, docs/store.md ...)
+shows the tables of its own scenario the same way. A table in a page sits between two markers
+naming its run:
 
     <!-- polar_bench: runs/long-quick.json -->
     ...what this module renders from that file...
@@ -28,7 +31,8 @@ from pathlib import Path
 from .markdown import markdown
 
 PACKAGE = Path(__file__).resolve().parent
-DOC = PACKAGE.parent / "docs" / "performance.md"
+DOCS = PACKAGE.parent / "docs"
+DOC = DOCS / "performance.md"
 BLOCK = re.compile(
     r"(<!-- polar_bench: (?P<run>[\w./-]+) -->\n)(?P<body>.*?)(<!-- /polar_bench -->)", re.S
 )
@@ -44,17 +48,18 @@ def provenance(run: dict, name: str) -> str:
     versions = m.get("versions", {})
     named = ", ".join(f"{k} {versions[k]}" for k in ("polar-mitm", "mitmproxy") if k in versions)
     command = " ".join(["python -m polar_bench", run["scenario"], *run.get("argv", [])])
+    end = f", {m['load_avg_1m_end']:.1f} at the end" if "load_avg_1m_end" in m else ""
     return (
         f"`{command}` ({name}), measured {run.get('measured_at', '?')} on {m.get('cpu', '?')}, "
         f"{m.get('cpus', '?')} CPUs, load average {m.get('load_avg_1m', float('nan')):.1f} at "
-        f"the start; Python {m.get('python', '?')}, {named}."
+        f"the start{end}; Python {m.get('python', '?')}, {named}."
     )
 
 
 def rows_of(run: dict) -> tuple[tuple[str, ...] | None, list | None]:
     """A run's header and rows: its scenario's report of its figures, as the scenario prints it
     today (so a report's fix shows on every saved run), else the rows the run saved."""
-    from . import farm, long, vllm
+    from . import core, exact, farm, fidelity, long, vllm
 
     reports = {
         "long": (long.HEADER, long.report_long),
@@ -64,6 +69,9 @@ def rows_of(run: dict) -> tuple[tuple[str, ...] | None, list | None]:
     if run["scenario"] in reports:
         header, report = reports[run["scenario"]]
         return header, report(run)
+    labels = {"exact": exact.LABELS, "fidelity": fidelity.LABELS}
+    if run["scenario"] in labels and "figures" in run:  # a row a figure, named as today
+        return core.FIGURE_HEADER, core.figure_rows(run["figures"], labels[run["scenario"]])
     return run.get("header"), run.get("table")
 
 
@@ -103,26 +111,33 @@ def render(text: str) -> str:
     return BLOCK.sub(one, text)
 
 
+def pages() -> list[Path]:
+    """The pages of docs/ that show a saved run's table."""
+    return sorted(p for p in DOCS.glob("*.md") if BLOCK.search(p.read_text()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when the page is out of date")
-    ap.add_argument("--doc", type=Path, default=DOC, help="the page (default docs/performance.md)")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a page is out of date")
+    ap.add_argument("--doc", type=Path, default=None, help="one page (default: all of docs/)")
     args = ap.parse_args(argv)
-    try:
-        text = args.doc.read_text()
-        new = render(text)
-    except (OSError, RenderError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.check:
-        if new != text:
-            print(f"{args.doc}: a table is not what its run renders (python -m polar_bench render)")
-            return 1
-        return 0
-    if new != text:
-        args.doc.write_text(new)
-        print(f"rewrote {args.doc}", file=sys.stderr)
-    return 0
+    stale = 0
+    for doc in [args.doc] if args.doc else pages():
+        try:
+            text = doc.read_text()
+            new = render(text)
+        except (OSError, RenderError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if new == text:
+            continue
+        if args.check:
+            print(f"{doc}: a table is not what its run renders (python -m polar_bench render)")
+            stale += 1
+        else:
+            doc.write_text(new)
+            print(f"rewrote {doc}", file=sys.stderr)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

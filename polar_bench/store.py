@@ -16,8 +16,10 @@ import argparse
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -25,6 +27,8 @@ import pyarrow.parquet as pq
 
 from polar_mitm.store import CALLS_SCHEMA, Store
 from polar_mitm.store.shards import Location, ShardWriter, row_group_rows
+
+from . import core
 
 
 def make_rows(n: int, prompt_tokens: int, output_tokens: int) -> list[dict]:
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shard-rows", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
 
     rows = make_rows(args.rows, args.prompt_tokens, args.output_tokens)
@@ -142,20 +147,35 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(rows)} rows, ~{mb:.0f} MB of Arrow data, shards of {args.shard_rows} rows "
         f"(best of {args.repeat}):"
     )
-    print(
-        f"  raw from_pylist+write_table : {len(rows) / best_raw:8.0f} rows/s  {mb / best_raw:7.1f} MB/s"
-    )
-    print(
-        f"  raw write_table alone       : {len(rows) / best_write:8.0f} rows/s  {mb / best_write:7.1f} MB/s"
-    )
-    print(
-        f"  raw, Store's writer options : {len(rows) / best_same:8.0f} rows/s  {mb / best_same:7.1f} MB/s"
-    )
-    print(
-        f"  Store append..flush         : {len(rows) / best_store:8.0f} rows/s  {mb / best_store:7.1f} MB/s"
-    )
-    print(f"  ratio Store / raw           : {best_raw / best_store:.2f}x  (goal >= 0.5x)")
-    print(f"  ratio Store / raw, same opts: {best_same / best_store:.2f}x")
+
+    def speed(seconds: float) -> tuple[str, str]:
+        return f"{len(rows) / seconds:.0f}", f"{mb / seconds:.1f}"
+
+    table = [
+        ("raw from_pylist + write_table", *speed(best_raw)),
+        ("raw write_table alone", *speed(best_write)),
+        ("raw, the Store's writer options", *speed(best_same)),
+        ("Store append .. flush", *speed(best_store)),
+        ("ratio Store / raw (goal >= 0.5)", f"{best_raw / best_store:.2f}", ""),
+        ("ratio Store / raw with the Store's options", f"{best_same / best_store:.2f}", ""),
+    ]
+    results = {
+        "config": {
+            "rows": len(rows),
+            "arrow_mb": mb,
+            "shard_rows": args.shard_rows,
+            "repeat": args.repeat,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+        },
+        "store_vs_raw": best_raw / best_store,
+        "store_vs_raw_same_options": best_same / best_store,
+        "journal_fsyncs": stats.get("fsyncs"),
+        "shards": stats.get("shards_written"),
+    }
+    header = (f"{len(rows)} rows, ~{mb:.0f} MB, shards of {args.shard_rows}", "rows/s", "MB/s")
+    argv = sys.argv[1:] if argv is None else argv
+    core.report(results, header, lambda _: table, "store", args.json, argv)
     print(f"  journal fsyncs {stats.get('fsyncs')}, shards {stats.get('shards_written')}")
 
 

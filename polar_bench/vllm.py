@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import ssl
 import sys
 import tempfile
@@ -85,42 +84,31 @@ async def run_turns(
 
 
 def measure_vllm(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from polar_reference.vllm_launch import VllmUnavailable, find_setup, launch
-
     from polar_mitm.assets import qwen3_tokenizer_dir
     from polar_mitm.certs import ensure_ca
 
-    try:
-        find_setup()
-    except VllmUnavailable as e:
-        return {"skipped": str(e)}
+    if why := core.vllm_unavailable():
+        return {"skipped": why}
     sessions, turns = sizes(args)
     confdir = tmp / "certs"
     ssl_ctx = ssl.create_default_context(cafile=str(ensure_ca(confdir)))
-    server = launch(
-        [bench_long.write_scenario(tmp, turns)], tmp / "vllm.log", owner_pid=os.getpid()
-    )
     ts: dict[str, core.Target] = {}
-    try:
-        core.progress("real vLLM: starting (1-3 minutes on two busy cores)")
-        server.wait_ready()
-        ts["vllm direct"] = core.Target(server.url + "/v1/chat/completions", None, False)
-        options = {**bench_long.LONG_OPTIONS, "polar_tokenizer": str(qwen3_tokenizer_dir())}
-        for column, extra in (("chat", {}), ("token-in", {"polar_exact_prefix": "true"})):
-            child, port = core.start_proxy(
-                tmp, "polar-mitm", server.url, confdir, f"vllm-{column}", {**options, **extra}
-            )
-            ts[f"polar-mitm {column}"] = core.Target(
-                core.URL, f"http://127.0.0.1:{port}", ssl_ctx, child
-            )
-        proxy_cpu0 = {c: t.child.cpu_seconds() for c, t in ts.items() if t.child is not None}
-        samples, server_cpu = asyncio.run(run_turns(ts, server, sessions, turns))
-        proxy_cpu = {c: ts[c].child.cpu_seconds() - v for c, v in proxy_cpu0.items()}
-    finally:
-        for t in ts.values():
-            if t.child is not None:
-                t.child.stop()
-        server.stop()
+    with core.real_vllm(tmp, bench_long.write_scenario(tmp, turns), "real vLLM") as server:
+        try:
+            ts["vllm direct"] = core.Target(server.url + "/v1/chat/completions", None, False)
+            options = {**bench_long.LONG_OPTIONS, "polar_tokenizer": str(qwen3_tokenizer_dir())}
+            for column, extra in (("chat", {}), ("token-in", {"polar_exact_prefix": "true"})):
+                child, port = core.start_proxy(
+                    tmp, "polar-mitm", server.url, confdir, f"vllm-{column}", {**options, **extra}
+                )
+                ts[f"polar-mitm {column}"] = core.Target(
+                    core.URL, f"http://127.0.0.1:{port}", ssl_ctx, child
+                )
+            proxy_cpu0 = {c: t.child.cpu_seconds() for c, t in ts.items() if t.child is not None}
+            samples, server_cpu = asyncio.run(run_turns(ts, server, sessions, turns))
+            proxy_cpu = {c: ts[c].child.cpu_seconds() - v for c, v in proxy_cpu0.items()}
+        finally:
+            core.stop_targets(ts)
     out: dict[str, Any] = {"config": {"sessions": sessions, "turns": turns}, "columns": {}}
     for column, got in samples.items():
         ok = [s for s in got if s.ok]
@@ -142,14 +130,10 @@ def measure_vllm(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def _routes(data: Path) -> dict[str, Any]:
     """How the calls went upstream (token_in / chat) and how many traces per rollout."""
-    from polar_mitm.store import read_table
-
-    calls = read_table(data, "calls").to_pylist()
-    traces = read_table(data, "traces").to_pylist()
-    mine = [c for c in calls if c["rollout_id"].startswith("vllm-")]
+    mine, traces = core.records(data, "vllm-")
     rollouts = {c["rollout_id"] for c in mine}
     return {
-        "routes": {r: sum(c["route"] == r for c in mine) for r in ("chat", "token_in")},
+        "routes": core.routes(mine),
         "traces_per_rollout": sum(t["rollout_id"] in rollouts for t in traces)
         / max(len(rollouts), 1),
     }
@@ -198,11 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="polar-bench-vllm-") as d:
         results = measure_vllm(args, Path(d))
-    results["header"] = HEADER
-    results["table"] = rows = report_vllm(results)
-    core.print_table(rows, HEADER)
-    if args.json:
-        core.save(results, args.json, "vllm", sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    core.report(results, HEADER, report_vllm, "vllm", args.json, argv)
     return (
         0
         if "skipped" in results or all(c["errors"] == 0 for c in results["columns"].values())

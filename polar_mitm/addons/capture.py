@@ -172,6 +172,11 @@ class CaptureAddon:
             "Non-LLM paths on polar_hosts: 'answer' them locally with a JSON 404, or 'pass' them "
             "to the real host (polar- API keys are never forwarded).",
         )
+        self._load_timeouts(loader)
+
+    @staticmethod
+    def _load_timeouts(loader) -> None:
+        """The options of how long and how a call may take upstream, and how large it may be."""
         loader.add_option(
             "polar_upstream_timeout",
             str,

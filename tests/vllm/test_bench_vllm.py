@@ -36,8 +36,9 @@ def test_bench_vllm_smoke(vllm_setup, tmp_path):
 
 @pytest.mark.slow
 def test_bench_farm_smoke(vllm_setup, tmp_path):
-    """The farm column: four columns, vLLM's API-server CPU (that one process) and the proxies'
-    per call, each column on its own conversations."""
+    """The farm column: six columns (polar-mitm's chat and exact-prefix modes relayed and
+    buffered), vLLM's API-server CPU (that one process) and the proxies' per call, each column on
+    its own conversations; buffered calls' ids are vLLM's, as relayed ones'."""
     out = tmp_path / "farm.json"
     proc = subprocess.run(
         [sys.executable, "-m", "polar_bench", "farm", "--smoke", "--json", str(out)],
@@ -50,13 +51,20 @@ def test_bench_farm_smoke(vllm_setup, tmp_path):
     results = json.loads(out.read_text())
     assert "vllm.entrypoints.openai.api_server" in results["config"]["api_server"]
     cols = results["columns"]
-    for column in ("direct", "mitm-stream", "polar-mitm chat", "polar-mitm exact"):
+    polar = ("polar-mitm chat", "polar-mitm exact")
+    polar += tuple(f"{c} buffered" for c in polar)
+    for column in ("direct", "mitm-stream", *polar):
         assert cols[column]["calls"] == 3 and cols[column]["errors"] == 0, cols[column]
         assert cols[column]["api_cpu_ms_per_call"] > 0 and cols[column]["events_per_call"] > 1
-    for column in ("mitm-stream", "polar-mitm chat", "polar-mitm exact"):
+        assert 0 < cols[column]["late_ttfb_ms_p50"] <= cols[column]["late_latency_ms_p50"]
+    for column in ("mitm-stream", *polar):
         assert cols[column]["proxy_cpu_ms_per_call"] > 0
-    assert cols["polar-mitm chat"]["routes"] == {"chat": 3, "token_in": 0}
-    assert cols["polar-mitm exact"]["routes"] == {"chat": 1, "token_in": 2}
-    for column in ("polar-mitm chat", "polar-mitm exact"):  # from the proxy's own records
+    for column in polar:  # from the proxy's own records
+        exact = "exact" in column
+        assert cols[column]["routes"] == {"chat": 1 if exact else 3, "token_in": 2 if exact else 0}
         assert cols[column]["output_tokens_per_call"] > 1
+        checks = cols[column]["checks"]
+        assert checks["calls"] == 3 and checks["traces_are_last_call"] == checks["rollouts"] == 1
+        for check in ("ids_from_upstream", "count_check_ok", "trainable"):
+            assert checks[check] == 3, (column, checks)
     assert "vLLM API-server CPU" in proc.stdout

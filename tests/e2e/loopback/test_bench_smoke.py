@@ -70,13 +70,16 @@ def test_bench_long_smoke(tmp_path):
     proc = run_bench("long", "--smoke", "--json", str(out))
     results = json.loads(out.read_text())
     cols = results["columns"]
-    for column in ("direct", "mitm-stream", "capture-floor", "polar-mitm", "polar-mitm+exact"):
+    exact = ("polar-mitm+exact", "polar-mitm+exact+buffer")  # relayed, and whole replies
+    for column in ("direct", "mitm-stream", "capture-floor", "polar-mitm", *exact):
         assert cols[column]["calls"] == 8 and cols[column]["errors"] == 0, (column, cols[column])
     assert cols["polar-mitm@half"]["calls"] == 4  # stopped at half the turns
     assert "exact-prefix: proxy CPU per call" in proc.stdout  # its goals' rows
-    assert cols["polar-mitm+exact"]["token_in_calls"] == 2 * 3  # all but each session's first
+    assert "exact-prefix, buffered: first byte p50" in proc.stdout
+    for column in exact:
+        assert cols[column]["token_in_calls"] == 2 * 3  # all but each session's first
     assert cols["polar-mitm"]["token_in_calls"] == 0
-    for column in ("mitm-stream", "capture-floor", "polar-mitm", "polar-mitm+exact"):
+    for column in ("mitm-stream", "capture-floor", "polar-mitm", *exact):
         assert cols[column]["cpu_ms_per_call"] > 0 and cols[column]["peak_rss_mb"] > 0
     polar = cols["polar-mitm"]
     assert polar["traces_per_rollout"] == 1.0  # the merge saw each session as one conversation
