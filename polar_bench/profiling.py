@@ -6,7 +6,8 @@ throughput load (32 concurrent streaming chat calls, upstream as fast as it goes
     python -m polar_bench profile [--seconds 12] [--tokens 8] [--raw out.txt]
     python -m polar_bench profile --long [--sessions 4] [--turns 12] [--exact]
                                       # under python -m polar_bench long's load instead (--exact:
-                                      # its polar-mitm+exact column, exact-prefix mode)
+                                      # its polar-mitm+exact column, exact-prefix mode;
+                                      # --exact --buffer: polar-mitm+exact+buffer)
     ... [--gil]                       # only the thread holding the GIL: Python's own CPU (a
                                       # thread blocked in C, e.g. a queue wait, is not sampled)
 
@@ -89,6 +90,7 @@ def profile_long(args: argparse.Namespace, spy: str) -> int:
         scenario = bench_long.write_scenario(tmp, args.turns)
         server, url = core.start_server(tmp, scenario, 0, "server")
         column = "polar-mitm+exact" if args.exact else "polar-mitm"
+        column += "+buffer" if args.buffer else ""
         proxy, port = core.start_proxy(
             tmp,
             "polar-mitm",
@@ -149,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=4, help="--long: concurrent sessions")
     ap.add_argument("--turns", type=int, default=12, help="--long: turns per session")
     ap.add_argument("--exact", action="store_true", help="--long: exact-prefix mode's column")
+    ap.add_argument(
+        "--buffer", action="store_true", help="--long --exact: its buffered column instead"
+    )
     ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     args = ap.parse_args(argv)
     spy = shutil.which("py-spy", path=str(core.BIN)) or shutil.which("py-spy")
