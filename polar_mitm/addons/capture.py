@@ -120,6 +120,7 @@ class CaptureAddon:
         self.sinks = list(sinks)
         self.stall_timeout = 300.0
         self.buffer_replies = False  # polar_upstream_stream=buffer
+        self.stream_interval = 1  # polar_stream_interval
         self.connect_timeout = 10.0
         self.retokenize = retokenize
         self.control = control
@@ -198,6 +199,15 @@ class CaptureAddon:
             "the reply is done, and polar_upstream_timeout bounds the whole generation).",
         )
         loader.add_option(
+            "polar_stream_interval",
+            int,
+            1,
+            "vLLM (>= 0.32) only: tokens per streamed chunk when relaying (the request's "
+            "stream_interval; the first token still comes alone and at once). 1: every token its "
+            "own chunk, as the server sends by default; 16 cuts the chunks the server builds and "
+            "the proxy parses sixteenfold and keeps the stream.",
+        )
+        loader.add_option(
             "polar_max_request_mb",
             int,
             64,
@@ -259,6 +269,13 @@ class CaptureAddon:
                     "'buffer'"
                 )
             self.buffer_replies = opts.polar_upstream_stream == "buffer"
+        if "polar_stream_interval" in updated:
+            if opts.polar_stream_interval < 1:
+                _errors.fail(
+                    f"polar_stream_interval: {opts.polar_stream_interval} is not a whole "
+                    "number of tokens >= 1"
+                )
+            self.stream_interval = max(opts.polar_stream_interval, 1)
 
     async def running(self) -> None:
         await self.gateway.start(self.connect_timeout, self.stall_timeout)
@@ -512,6 +529,7 @@ class CaptureAddon:
             exact=book,
             max_model_len=self.max_model_len,
             buffer_replies=self.buffer_replies,
+            stream_interval=self.stream_interval,
         )
         if self.constraints is not None:
             settings.harness_constraints = self.constraints.mode

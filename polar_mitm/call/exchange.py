@@ -97,6 +97,7 @@ class UpstreamSettings:
     harness_constraints: str = PASS  # polar_harness_constraints (upstream/constraints.py)
     think_markers: ThinkMarkers | None = None  # from polar_tokenizer: where a grammar starts
     buffer_replies: bool = False  # polar_upstream_stream=buffer: the upstream never streams
+    stream_interval: int = 1  # polar_stream_interval: tokens per upstream chunk (vLLM)
 
 
 _JSON = {"content-type": "application/json"}
@@ -209,7 +210,7 @@ class Call:
                 wants_logprobs=self.req.wants_logprobs,
             )
             self.record.model_served = model
-            self.upstream_body = body
+            self.upstream_body = self._chunked(body, stream_upstream)
             return upstream.token_in_url, body, stream_upstream
         stream_upstream = self.req.stream and upstream.streams_with_tokens and not buffer
         body = upstream.request_body(
@@ -225,8 +226,16 @@ class Call:
         # here instead, see hide_reasoning).
         body.pop("include_reasoning", None)
         self.record.model_served = body.get("model")
-        self.upstream_body = body
+        self.upstream_body = self._chunked(body, stream_upstream)
         return upstream.chat_url, body, stream_upstream
+
+    def _chunked(self, body: dict[str, Any], stream_upstream: bool) -> dict[str, Any]:
+        """polar_stream_interval: a streamed request asks a server that takes it for that many
+        tokens a chunk (the relay's cost is per chunk, upstream and here)."""
+        interval = self.settings.stream_interval
+        if stream_upstream and interval > 1 and self.settings.upstream.takes_stream_interval:
+            body["stream_interval"] = interval
+        return body
 
     async def _send(
         self,

@@ -87,6 +87,8 @@ class Upstream(ABC):
     # None: the server has none, and exact-prefix mode sends every call the chat way.
     token_in_path: ClassVar[str | None] = None
     token_in_streams: ClassVar[bool] = True
+    # Whether a request's `stream_interval` (tokens per streamed chunk) is honoured: vLLM >= 0.32.
+    takes_stream_interval: ClassVar[bool] = False
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")

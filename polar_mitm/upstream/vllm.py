@@ -27,6 +27,7 @@ from .base import TextPiece, TokenTally, Upstream, chat_body
 class VLLM(Upstream):
     kind = "vllm"
     token_in_path = "/v1/completions"
+    takes_stream_interval = True  # CompletionRequest / ChatCompletionRequest, vLLM >= 0.32
 
     def request_body(
         self, chat: dict[str, Any], *, model: str | None, stream: bool, top_logprobs: int

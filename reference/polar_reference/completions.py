@@ -37,7 +37,7 @@ from polar_mitm.upstream.sglang import SGLANG_SAMPLING_FIELDS
 from .generation import fake_logprob, token_limit
 from .render import Renderer
 from .scenario import Scenario, Turn
-from .vllm_wire import SYSTEM_FINGERPRINT
+from .vllm_wire import SYSTEM_FINGERPRINT, request_stream_interval, stream_groups
 from .wire import ReplyPlan, Wire, WireError
 
 
@@ -233,25 +233,27 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
     tokens: list[int] = []
     offset = 0
     n = len(sample.ids)
-    for i in range(n):
-        logprobs = _logprobs(sample, i, i + 1, offset, as_ids) if want_lp else None
+    # one token a chunk, or `stream_interval` tokens a chunk (the first alone, the rest last)
+    for a, b in stream_groups(n, request_stream_interval(body) or 1):
+        logprobs = _logprobs(sample, a, b, offset, as_ids) if want_lp else None
         choice: dict[str, Any] = {
             "index": 0,
-            "text": sample.pieces[i],
+            "text": "".join(sample.pieces[a:b]),
             "logprobs": logprobs,
-            "finish_reason": sample.finish_reason if i == n - 1 else None,
+            "finish_reason": sample.finish_reason if b == n else None,
             "stop_reason": None,
             # set on every chunk, so `model_dump_json(exclude_unset=True)` writes them, null
             # unless return_token_ids asked (the prompt's ids on the first chunk only)
-            "prompt_token_ids": list(sample.prompt) if with_ids and i == 0 else None,
-            "token_ids": [sample.ids[i]] if with_ids else None,
+            "prompt_token_ids": list(sample.prompt) if with_ids and a == 0 else None,
+            "token_ids": list(sample.ids[a:b]) if with_ids else None,
         }
         if logprobs is not None:  # vLLM advances by the tokens reported (their names' lengths)
             offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         else:
-            offset += len(sample.pieces[i])
+            offset += len(choice["text"])
         events.append(b"data: " + _dumps({**head, "choices": [choice]}) + b"\n\n")
-        tokens.append(1)
+        tokens.append(b - a)
+    final_index = max(len(events) - 1, 0)  # the chunk with the finish
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
         usage = {
@@ -265,7 +267,7 @@ def completion_plan(body: dict[str, Any], sample: TokenInSample, model: str) -> 
     events.append(DONE)
     tokens.append(0)
     return ReplyPlan(
-        200, "text/event-stream; charset=utf-8", events, tokens, True, final_index=max(n - 1, 0)
+        200, "text/event-stream; charset=utf-8", events, tokens, True, final_index=final_index
     )
 
 
@@ -326,6 +328,10 @@ def add_routes(app: web.Application, server: TokenInHost) -> None:
         max_tokens = body.get("max_tokens")
         max_tokens = _DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         try:
+            try:
+                request_stream_interval(body)
+            except ValueError as e:
+                raise RequestError(str(e), param="stream_interval") from None
             prompt = _prompt_ids(body)
             sample = await asyncio.to_thread(TokenInSample, server, prompt, max_tokens, ints=True)
         except RequestError as e:

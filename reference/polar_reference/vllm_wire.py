@@ -55,6 +55,32 @@ def _validation_message(
     return f"1 validation error:\n  {err}"
 
 
+def stream_groups(n: int, interval: int) -> list[tuple[int, int]]:
+    """Token slices per streamed chunk as vLLM's output processor sends them with a stream
+    interval (`vllm/v1/engine/output_processor.py`): the first token alone, then a chunk each
+    time ``interval`` more tokens have come, and the rest with the finish."""
+    if n == 0:
+        return []
+    groups, start = [(0, 1)], 1
+    while start < n:
+        groups.append((start, min(start + interval, n)))
+        start += interval
+    return groups
+
+
+def request_stream_interval(body: Mapping[str, Any]) -> int | None:
+    """A request's ``stream_interval`` (vLLM >= 0.32, chat and completions): an int >= 1 or
+    null; anything else is the ValueError vLLM's request validation gives (HTTP 400)."""
+    value = body.get("stream_interval")
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise ValueError("stream_interval: Input should be a valid integer")
+    if value < 1:
+        raise ValueError("stream_interval: Input should be greater than or equal to 1")
+    return value
+
+
 class VllmWire:
     """The vLLM wire kind (see the module docstring)."""
 
@@ -138,6 +164,10 @@ class VllmWire:
             )
         if body.get("n") not in (None, 1):
             raise self._bad_request("n > 1 is not supported by the reference policy server.", "n")
+        try:
+            request_stream_interval(body)
+        except ValueError as e:
+            raise self._invalid(str(e), "body.stream_interval") from None
         tools_raw = body.get("tools")
         if "tool_choice" in body:
             tool_choice = body["tool_choice"]
@@ -312,17 +342,6 @@ class VllmWire:
             stream=False,
         )
 
-    def _groups(self, n: int) -> list[tuple[int, int]]:
-        """Token slices per chunk: the first token alone, then ``chunk_tokens`` at a time."""
-        if n == 0:
-            return []
-        k = self.chunk_tokens
-        groups, start = [(0, 1)], 1
-        while start < n:
-            groups.append((start, min(start + k, n)))
-            start += k
-        return groups
-
     def _stream(self, call: ChatCall, sample: Sample, served_model: str) -> ReplyPlan:
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -367,7 +386,9 @@ class VllmWire:
             reasoning_open=sample.reasoning_open,
         )
         entries = self._logprob_entries(call, sample) if call.logprobs and not hide else None
-        groups = self._groups(len(sample.ids))
+        # the request's stream_interval raises the server's (chunk_tokens), never lowers it
+        interval = max(self.chunk_tokens, request_stream_interval(call.body) or 1)
+        groups = stream_groups(len(sample.ids), interval)
         sent = 0
         final_index = 0
         skipped = 0  # tokens of chunks vLLM drops: still generated, so still paced

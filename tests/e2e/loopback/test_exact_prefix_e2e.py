@@ -390,11 +390,21 @@ def test_a_token_in_call_whose_server_is_gone_is_an_error_in_the_dialect(
     assert "unreachable" in calls[1]["error"] and calls[1]["http_status"] == 502
 
 
+UPSTREAM_MODES = {
+    "buffer": {"polar_upstream_stream": "buffer"},
+    "interval": {"polar_stream_interval": "8"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(UPSTREAM_MODES))
 @pytest.mark.parametrize("dialect", ["openai_chat", "anthropic_messages", "openai_responses"])
-def test_buffered_replies_stream_the_same_to_the_harness(make_policy_server, make_mitm, dialect):
-    """polar_upstream_stream=buffer: the server is asked for whole replies (chat and token-in
-    alike), the harness still gets its own dialect's stream, the same one relaying gives, and the
-    records hold the same ids and logprobs."""
+def test_cheaper_upstream_modes_stream_the_same_to_the_harness(
+    make_policy_server, make_mitm, dialect, mode
+):
+    """polar_upstream_stream=buffer (the server is asked for whole replies, chat and token-in
+    alike) and polar_stream_interval (vLLM's stream_interval: 8 tokens a chunk): the harness still
+    gets its own dialect's stream, the same one relaying every token gives, and the records hold
+    the same ids and logprobs."""
     import httpx
 
     from tests.e2e.loopback.test_dialects_e2e import SCENARIO as DIALECTS
@@ -402,8 +412,8 @@ def test_buffered_replies_stream_the_same_to_the_harness(make_policy_server, mak
     server = make_policy_server(SCENARIO if dialect == "openai_chat" else DIALECTS)
     tok = str(qwen3_tokenizer_dir())
     relayed = make_mitm(server.url, polar_tokenizer=tok, polar_exact_prefix="true")
-    buffered = make_mitm(
-        server.url, polar_tokenizer=tok, polar_exact_prefix="true", polar_upstream_stream="buffer"
+    cheaper = make_mitm(
+        server.url, polar_tokenizer=tok, polar_exact_prefix="true", **UPSTREAM_MODES[mode]
     )
 
     def talk(mitm, rollout: str) -> list:
@@ -415,25 +425,30 @@ def test_buffered_replies_stream_the_same_to_the_harness(make_policy_server, mak
         )
         return converse_in(mitm, rollout)[0]
 
-    relayed_seen = talk(relayed, "buf.0")
+    relayed_seen = talk(relayed, "up.0")
     sent_before = len(httpx.get(server.url + "/_polar/requests", timeout=10).json())
-    buffered_seen = talk(buffered, "buf.1")
-    assert relayed.stop() == 0 and buffered.stop() == 0
-    assert buffered_seen == relayed_seen and len(buffered_seen) >= 3
+    cheaper_seen = talk(cheaper, "up.1")
+    assert relayed.stop() == 0 and cheaper.stop() == 0
+    assert cheaper_seen == relayed_seen and len(cheaper_seen) >= 3
 
     upstream = httpx.get(server.url + "/_polar/requests", timeout=10).json()[sent_before:]
-    llm = [u for u in upstream if u["path"] in ("/v1/chat/completions", "/v1/completions")]
-    assert {u["path"] for u in llm} == {"/v1/chat/completions", "/v1/completions"}
-    assert [bool(u["body"].get("stream")) for u in llm] == [False] * len(llm)
+    llm = [u["body"] for u in upstream if u["path"] in ("/v1/chat/completions", "/v1/completions")]
+    assert len(llm) == len(cheaper_seen)
+    if mode == "buffer":
+        assert [bool(b.get("stream")) for b in llm] == [False] * len(llm)
+        assert not any("stream_interval" in b for b in llm)
+    else:
+        assert [(b.get("stream"), b.get("stream_interval")) for b in llm] == [(True, 8)] * len(llm)
 
-    relay_calls, _ = records(relayed.output, "buf.0")
-    buffer_calls, [trace] = records(buffered.output, "buf.1")
-    assert [c["stream"] for c in buffer_calls] == [True] * len(buffer_calls)
-    assert [c["route"] for c in buffer_calls] == [c["route"] for c in relay_calls]
-    for relay, buffer in zip(relay_calls, buffer_calls, strict=True):
-        assert buffer["status"] == "completed" and buffer["trainable"], buffer
-        assert buffer["prompt_token_ids"] == relay["prompt_token_ids"]
-        assert buffer["output_token_ids"] == relay["output_token_ids"]
-        assert buffer["output_logprobs"] == pytest.approx(relay["output_logprobs"])
-    last = buffer_calls[-1]
+    relay_calls, _ = records(relayed.output, "up.0")
+    calls, [trace] = records(cheaper.output, "up.1")
+    assert [c["stream"] for c in calls] == [True] * len(calls)
+    assert [c["route"] for c in calls] == [c["route"] for c in relay_calls]
+    assert {c["route"] for c in calls} == {"chat", "token_in"}
+    for relay, call in zip(relay_calls, calls, strict=True):
+        assert call["status"] == "completed" and call["trainable"], call
+        assert call["prompt_token_ids"] == relay["prompt_token_ids"]
+        assert call["output_token_ids"] == relay["output_token_ids"]
+        assert call["output_logprobs"] == pytest.approx(relay["output_logprobs"])
+    last = calls[-1]
     assert trace["input_ids"] == last["prompt_token_ids"] + last["output_token_ids"]
