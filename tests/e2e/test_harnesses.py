@@ -58,6 +58,7 @@ ROLLOUTS = {
     "cline": ("harness-cline.9", "api_key"),
     "kilo": ("harness-kilo.10", "api_key"),
     "aider": ("harness-aider.11", "api_key"),
+    "openclaw": ("harness-openclaw.12", "api_key"),
 }
 # How each rollout ends: through the control plane with a reward (what a trainer does once it has
 # scored the workdir), or, left open, at proxy shutdown as `incomplete`. Both paths are run.
@@ -75,6 +76,7 @@ ENDED_BY = {
     "cline": "control",
     "kilo": "shutdown",
     "aider": "control",
+    "openclaw": "control",
 }
 CONTROL_TOKEN = "e2e-control-token"
 # vLLM's refusal of an output cap (Claude Code asks 128000): 0.33's of a cap above max_model_len,
