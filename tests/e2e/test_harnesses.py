@@ -106,6 +106,9 @@ def file_text(name: str) -> str:
 KNOWN_NOISE = {
     # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.
     "codex": [re.compile(r"ERROR codex_api::endpoint::responses_websocket: failed to connect")],
+    # OpenClaw's session store maintenance worker, racing itself in a fresh state dir: logged
+    # with `error="SQLite automatic maintenance inputs changed before commit"` and retried.
+    "openclaw": [re.compile(r"^\[session-sqlite\] ")],
 }
 API_ERROR = re.compile(
     r"(?i)(api error|error:|\berror\b.*\b[45]\d\d\b|\b[45]\d\d\b.*\berror\b|stream (error|disconnected)"
