@@ -138,10 +138,11 @@ def _openclaw_configure(home: Path, model: str, bin_dir: Path) -> None:
     """OpenClaw reads ~/.openclaw/openclaw.json: one custom provider on OpenAI's Responses API at
     the real host, its key from OPENAI_API_KEY (`${NAME}` is OpenClaw's substitution), and its
     model as the default. A custom provider, not the built-in `openai/...`: OpenClaw's own OpenAI
-    provider at api.openai.com sends `store: true` and, from the second call on,
-    `previous_response_id` with only the new input (its "HTTP continuation"), which a proxy that
-    keeps no responses refuses; a custom provider's requests are stateless (`store: false`, the
-    whole history each call), and its catalogue is this config (any model name)."""
+    provider at api.openai.com sends `store: true` and, whenever a request's history is the
+    previous request plus the reply's output items verbatim, only the new input with
+    `previous_response_id` (its "HTTP continuation"), which a proxy that keeps no responses
+    refuses; a custom provider never continues (`store: false`, the whole history each call),
+    and its catalogue is this config (any model name; docs/harnesses.md, "OpenClaw")."""
     provider = {
         "baseUrl": OPENAI_BASE_URL,
         "api": "openai-responses",
