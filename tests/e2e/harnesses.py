@@ -5,7 +5,8 @@ scripts/install_harnesses.sh; `POLAR_HARNESS_PINS=previous` selects the previous
 tests/e2e/npm/previous/, which hold fewer harnesses), run non-interactively in a temp workdir with
 a temp HOME and an environment made of nothing but `polar-mitm env` output, PATH/HOME, and an API
 key `polar-<rollout id>` — what a rollout container would get. PATH starts with the install's
-node_modules/.bin, which holds the Node.js the harnesses need when the machine's is older.
+node_modules/.bin, which holds the Node.js the harnesses need when the machine's is older
+(OpenClaw's: its own install's, with its Node 24, tests/e2e/npm/openclaw/).
 """
 
 from __future__ import annotations
