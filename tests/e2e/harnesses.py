@@ -5,7 +5,8 @@ scripts/install_harnesses.sh; `POLAR_HARNESS_PINS=previous` selects the previous
 tests/e2e/npm/previous/, which hold fewer harnesses), run non-interactively in a temp workdir with
 a temp HOME and an environment made of nothing but `polar-mitm env` output, PATH/HOME, and an API
 key `polar-<rollout id>` — what a rollout container would get. PATH starts with the install's
-node_modules/.bin, which holds the Node.js the harnesses need when the machine's is older.
+node_modules/.bin, which holds the Node.js the harnesses need when the machine's is older
+(OpenClaw's: its own install's, with its Node 24, tests/e2e/npm/openclaw/).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ if PIN_SET == "current":
         if _line.strip() and not _line.startswith("#"):
             _package, _, _version = _line.split()[2].partition("==")
             PINS[_package] = _version
+# OpenClaw, on its own Node 24 (tests/e2e/npm/openclaw/; none in the previous pins)
+OPENCLAW_PIN_FILE = ROOT / "tests" / "e2e" / "npm" / "openclaw" / "package.json"
+if PIN_SET == "current":
+    PINS.update(json.loads(OPENCLAW_PIN_FILE.read_text())["dependencies"])
 # Pi moved scope at 1.0: the deprecated one is the previous pins'.
 PI_PACKAGE = next(
     (p for p in ("@earendil-works/pi-coding-agent", "@mariozechner/pi-coding-agent") if p in PINS),
@@ -104,6 +109,8 @@ class Harness:
     argv: Callable[[Path, str], list[str]]  # (bin dir, prompt) -> argv
     configure: Callable[[Path, Path, Path], None] = lambda home, work, bin_dir: None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # the bin dir first on its PATH (OpenClaw's install of its own, with Node 24)
+    path_dir: Callable[[Path], Path] = lambda bin_dir: bin_dir
 
     @property
     def version(self) -> str:
@@ -123,6 +130,7 @@ def _as_the_agent_runs_it(name: str, package: str, dialect: str) -> Harness:
         argv=lambda bin_dir, prompt: spec.argv(bin_dir, MODEL, prompt),
         configure=lambda home, work, bin_dir: spec.configure(home, MODEL, bin_dir),
         extra_env=dict(spec.extra_env),
+        path_dir=spec.bin_dir,
     )
 
 
@@ -139,6 +147,7 @@ _ALL = (
     _as_the_agent_runs_it("cline", "cline", "chat"),
     _as_the_agent_runs_it("kilo", "@kilocode/cli", "chat"),
     _as_the_agent_runs_it("aider", "aider-chat", "chat"),
+    _as_the_agent_runs_it("openclaw", "openclaw", "responses"),
 )
 # The harnesses the selected pins hold (the previous release's pins have no Qwen Code, OpenCode
 # or Gemini CLI).
@@ -175,7 +184,7 @@ def run_harness(
     harness.configure(home, work, bin_dir)
     env = {
         "HOME": str(home),
-        "PATH": f"{bin_dir}:{agent_harness.SYSTEM_PATH}",
+        "PATH": f"{harness.path_dir(bin_dir)}:{agent_harness.SYSTEM_PATH}",
         "TERM": "dumb",
         **parse_env(env_lines),
         harness.key_variable: api_key,

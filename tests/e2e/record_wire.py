@@ -73,6 +73,13 @@ HARNESS_PLAN = {
             {"text": FINAL_TEXT},
         ]
     },
+    # OpenClaw speaks Responses with function tools (its shell tool is `exec`, argument `command`)
+    "openclaw": {
+        "responses": [
+            {"tool": {"name": "exec", "arguments": {"command": SHELL_COMMAND}}},
+            {"text": FINAL_TEXT},
+        ]
+    },
 }
 
 

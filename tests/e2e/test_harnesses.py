@@ -58,6 +58,7 @@ ROLLOUTS = {
     "cline": ("harness-cline.9", "api_key"),
     "kilo": ("harness-kilo.10", "api_key"),
     "aider": ("harness-aider.11", "api_key"),
+    "openclaw": ("harness-openclaw.12", "api_key"),
 }
 # How each rollout ends: through the control plane with a reward (what a trainer does once it has
 # scored the workdir), or, left open, at proxy shutdown as `incomplete`. Both paths are run.
@@ -75,6 +76,7 @@ ENDED_BY = {
     "cline": "control",
     "kilo": "shutdown",
     "aider": "control",
+    "openclaw": "control",
 }
 CONTROL_TOKEN = "e2e-control-token"
 # vLLM's refusal of an output cap (Claude Code asks 128000): 0.33's of a cap above max_model_len,
@@ -104,6 +106,9 @@ def file_text(name: str) -> str:
 KNOWN_NOISE = {
     # The WebSocket attempt that polar-mitm refuses (426); Codex then uses SSE.
     "codex": [re.compile(r"ERROR codex_api::endpoint::responses_websocket: failed to connect")],
+    # OpenClaw's session store maintenance worker, racing itself in a fresh state dir: logged
+    # with `error="SQLite automatic maintenance inputs changed before commit"` and retried.
+    "openclaw": [re.compile(r"^\[session-sqlite\] ")],
 }
 API_ERROR = re.compile(
     r"(?i)(api error|error:|\berror\b.*\b[45]\d\d\b|\b[45]\d\d\b.*\berror\b|stream (error|disconnected)"

