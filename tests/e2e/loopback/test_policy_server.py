@@ -475,6 +475,48 @@ def test_chunking_with_several_tokens_per_chunk(demo: Server) -> None:
     assert streamed["reasoning"] == full["choices"][0]["message"]["reasoning_content"]
 
 
+def test_a_request_stream_interval_batches_tokens_as_vllm_does(http: httpx.Client) -> None:
+    """vLLM >= 0.32's per-request `stream_interval` (chat and completions): the first token
+    alone, then that many a chunk, the rest with the finish; the same ids and logprobs in the
+    end; below 1 is a 400."""
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "How long is notes.txt?"},
+    ]
+    full = http.post("/v1/chat/completions", json=request(messages, stream=False)).json()
+    ids = full["choices"][0]["token_ids"]
+    assert len(ids) > 9
+    body = request(messages, stream=True, stream_interval=4)
+    events = sse_events(http.post("/v1/chat/completions", json=body).text)
+    sizes = [
+        len(e["choices"][0]["token_ids"]) for e in events[1:] if e != "[DONE]" and e["choices"]
+    ]
+    assert sizes[0] == 1 and set(sizes[1:-1]) == {4} and 0 < sizes[-1] <= 4, sizes
+    assert assemble(events)["ids"] == ids
+
+    prompt = {"model": MODEL, "prompt": full["prompt_token_ids"], "max_tokens": 200}
+    whole = http.post("/v1/completions", json={**prompt, "logprobs": 0}).json()["choices"][0]
+    stream = {**prompt, "stream": True, "return_token_ids": True, "logprobs": 0}
+    chunks = [
+        e["choices"][0]
+        for e in sse_events(
+            http.post("/v1/completions", json={**stream, "stream_interval": 4}).text
+        )
+        if e != "[DONE]" and e["choices"]
+    ]
+    sizes = [len(c["token_ids"]) for c in chunks]
+    assert sizes[0] == 1 and set(sizes[1:-1]) == {4} and 0 < sizes[-1] <= 4, sizes
+    assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["finish_reason"] == whole["finish_reason"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    lps = [v for c in chunks for v in c["logprobs"]["token_logprobs"]]
+    assert lps == whole["logprobs"]["token_logprobs"]
+
+    for path, bad in (("/v1/chat/completions", body), ("/v1/completions", stream)):
+        r = http.post(path, json={**bad, "stream_interval": 0})
+        assert r.status_code == 400 and "stream_interval" in r.text, r.text
+
+
 # A script that holds its stream's last chunk until POST /_polar/release (at most 30 s).
 HELD = {
     "name": "held",
