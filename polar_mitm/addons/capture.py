@@ -227,33 +227,7 @@ class CaptureAddon:
                 _seconds("polar_connect_timeout", opts.polar_connect_timeout, zero_ok=False) or 10.0
             )
         if {"polar_upstream", "polar_upstream_kind"} & updated:
-            self.upstream = None
-            self.auto_base = None
-            url = opts.polar_upstream
-            if not url:
-                _errors.fail(
-                    "polar_upstream: required: the policy server's base URL, "
-                    "e.g. --set polar_upstream=http://127.0.0.1:8000"
-                )
-                return
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                _errors.fail(f"polar_upstream: {url!r} is not an http(s)://HOST[:PORT] URL")
-                return
-            kind = opts.polar_upstream_kind
-            if kind not in UPSTREAMS and kind != "auto":
-                _errors.fail(
-                    f"polar_upstream_kind: unknown kind {kind!r} "
-                    f"(choose from {', '.join(UPSTREAMS)}, auto)"
-                )
-                return
-            base = url.rstrip("/")
-            if base.endswith("/v1"):
-                base = base[:-3]
-            if kind == "auto":
-                self.auto_base = base
-            else:
-                self.upstream = UPSTREAMS[kind](base)
+            self._configure_upstream(opts)
         if "polar_hosts" in updated:
             self.hosts = frozenset(
                 h.strip().lower() for h in opts.polar_hosts.split(",") if h.strip()
@@ -276,6 +250,36 @@ class CaptureAddon:
                     "number of tokens >= 1"
                 )
             self.stream_interval = max(opts.polar_stream_interval, 1)
+
+    def _configure_upstream(self, opts) -> None:
+        """polar_upstream and polar_upstream_kind: the upstream (or the URL kind auto probes)."""
+        self.upstream = None
+        self.auto_base = None
+        url = opts.polar_upstream
+        if not url:
+            _errors.fail(
+                "polar_upstream: required: the policy server's base URL, "
+                "e.g. --set polar_upstream=http://127.0.0.1:8000"
+            )
+            return
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            _errors.fail(f"polar_upstream: {url!r} is not an http(s)://HOST[:PORT] URL")
+            return
+        kind = opts.polar_upstream_kind
+        if kind not in UPSTREAMS and kind != "auto":
+            _errors.fail(
+                f"polar_upstream_kind: unknown kind {kind!r} "
+                f"(choose from {', '.join(UPSTREAMS)}, auto)"
+            )
+            return
+        base = url.rstrip("/")
+        if base.endswith("/v1"):
+            base = base[:-3]
+        if kind == "auto":
+            self.auto_base = base
+        else:
+            self.upstream = UPSTREAMS[kind](base)
 
     async def running(self) -> None:
         await self.gateway.start(self.connect_timeout, self.stall_timeout)

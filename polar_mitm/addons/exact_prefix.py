@@ -41,6 +41,18 @@ class ExactPrefixAddon:
             "a quarter of a second of CPU at 80k tokens.",
         )
         loader.add_option(
+            "polar_token_in",
+            str,
+            "completions",
+            "Exact-prefix mode, vLLM only: the token-in route. 'completions': /v1/completions "
+            "(the server detokenizes). 'generate': vLLM >= 0.32's /inference/v1/generate with "
+            "detokenize false (the server must run with --enable-scale-out), never streamed "
+            "upstream (a harness's stream is sent when the reply is complete); the proxy decodes "
+            "the sampled ids as /v1/completions would, which spares the server's detokenizer "
+            "(its cost grows with the prompt). A call with stop strings still goes to "
+            "/v1/completions.",
+        )
+        loader.add_option(
             "polar_output_parser",
             str,
             "qwen3",
@@ -51,7 +63,16 @@ class ExactPrefixAddon:
     def configure(self, updated: set[str]) -> None:
         if self.book is not None and "polar_exact_compare" in updated:
             self.book.compare_calls = ctx.options.polar_exact_compare
-        if not {"polar_exact_prefix", "polar_output_parser", "polar_tokenizer"} & updated:
+        if (
+            not {
+                "polar_exact_prefix",
+                "polar_output_parser",
+                "polar_tokenizer",
+                "polar_token_in",
+                "polar_upstream_kind",
+            }
+            & updated
+        ):
             return
         if self.book is not None:
             self.book.close()
@@ -62,7 +83,8 @@ class ExactPrefixAddon:
         except ValueError as e:
             _errors.fail(f"polar_output_parser: {e}")
             return
-        if not opts.polar_exact_prefix:
+        route = token_in_route(opts)
+        if route is None or not opts.polar_exact_prefix:
             return
         tok = self.tokenizer.tokenizer
         if tok is None or not tok.has_chat_template:
@@ -73,6 +95,7 @@ class ExactPrefixAddon:
             )
             return
         self.book = ExactPrefix(tok, parser, compare_calls=opts.polar_exact_compare)
+        self.book.token_in = route
 
     def running(self) -> None:
         if self.book is not None:
@@ -81,6 +104,11 @@ class ExactPrefixAddon:
                 self.book.tokenizer.spec,
                 self.book.family.name,
             )
+            if self.book.token_in == "generate":
+                log.info(
+                    "polar-mitm: polar_token_in=generate: token-in calls go to vLLM's "
+                    "/inference/v1/generate (the server needs --enable-scale-out)"
+                )
 
     def done(self) -> None:
         if self.book is not None:
@@ -93,3 +121,19 @@ class ExactPrefixAddon:
     async def drain(self) -> None:
         if self.book is not None:
             await self.book.drain()
+
+
+def token_in_route(opts) -> str | None:
+    """polar_token_in, checked (None after a start-up error)."""
+    route = opts.polar_token_in
+    if route not in ("completions", "generate"):
+        _errors.fail(f"polar_token_in: {route!r} is not 'completions' or 'generate'")
+        return None
+    kind = getattr(opts, "polar_upstream_kind", "vllm")
+    if route == "generate" and kind != "vllm" and opts.polar_exact_prefix:
+        _errors.fail(
+            f"polar_token_in=generate: vLLM's /inference/v1/generate needs polar_upstream_kind="
+            f"vllm (it is {kind!r}); use polar_token_in=completions"
+        )
+        return None
+    return route

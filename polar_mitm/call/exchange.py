@@ -34,9 +34,10 @@ from ..core.sse import SSEParser
 from ..dialects import Dialect, HarnessRequest, StreamTranslator
 from ..dialects.assemble import ChatAssembler, reply_to_chunks
 from ..tokens.retokenize import RetokenizeJob, Retokenizer
-from ..trajectory.exact_prefix import ExactPrefix, Lookup, put_note
+from ..trajectory.exact_prefix import ExactPlan, ExactPrefix, Lookup, put_note
 from ..upstream import TokenTally, Upstream
 from ..upstream.constraints import PASS, ThinkMarkers, note_constraints, upstream_chat
+from ..upstream.vllm import GENERATE_FIX, VLLM
 from .failures import (
     MALFORMED,
     UpstreamFailed,
@@ -192,26 +193,7 @@ class Call:
         plan = self.lookup.plan if self.lookup is not None else None
         buffer = self.settings.buffer_replies
         if plan is not None:
-            exact = self.settings.exact
-            assert exact is not None
-            stream_upstream = self.req.stream and upstream.token_in_streams and not buffer
-            body = upstream.token_in_body(
-                msgspec.Raw(plan.prompt_json), plan.sampling, model=model, stream=stream_upstream
-            )
-            self.record.route = "token_in"
-            self.tally.prompt_ids = plan.prompt_ids  # what was sent (the server echoes nothing)
-            self.text_reply = TokenInReply(
-                upstream,
-                plan,
-                family=exact.family,
-                tokenizer=exact.tokenizer,
-                tally=self.tally,
-                model=model,
-                wants_logprobs=self.req.wants_logprobs,
-            )
-            self.record.model_served = model
-            self.upstream_body = self._chunked(body, stream_upstream)
-            return upstream.token_in_url, body, stream_upstream
+            return self._token_in_request(plan, model)
         stream_upstream = self.req.stream and upstream.streams_with_tokens and not buffer
         body = upstream.request_body(
             upstream_chat(
@@ -228,6 +210,46 @@ class Call:
         self.record.model_served = body.get("model")
         self.upstream_body = self._chunked(body, stream_upstream)
         return upstream.chat_url, body, stream_upstream
+
+    def _token_in_request(self, plan: ExactPlan, model: str | None) -> tuple[str, Any, bool]:
+        """The token-in request of a plan: vLLM's /inference/v1/generate (polar_token_in=generate;
+        whole, and not with stop strings: those need the server's detokenizer), else the
+        upstream's token-in endpoint."""
+        upstream, exact = self.settings.upstream, self.settings.exact
+        assert exact is not None
+        prompt = msgspec.Raw(plan.prompt_json)
+        generate = (
+            exact.token_in == "generate"
+            and isinstance(upstream, VLLM)
+            and not plan.sampling.get("stop")
+        )
+        if generate:
+            assert isinstance(upstream, VLLM)
+            stream_upstream = False
+            body = upstream.generate_body(prompt, plan.sampling, model=model)
+            url = upstream.generate_url
+        else:
+            buffer = self.settings.buffer_replies
+            stream_upstream = self.req.stream and upstream.token_in_streams and not buffer
+            body = upstream.token_in_body(
+                prompt, plan.sampling, model=model, stream=stream_upstream
+            )
+            url = upstream.token_in_url
+        self.record.route = "token_in"
+        self.tally.prompt_ids = plan.prompt_ids  # what was sent (the server echoes nothing)
+        self.text_reply = TokenInReply(
+            upstream,
+            plan,
+            family=exact.family,
+            tokenizer=exact.tokenizer,
+            tally=self.tally,
+            model=model,
+            wants_logprobs=self.req.wants_logprobs,
+            generate=generate,
+        )
+        self.record.model_served = model
+        self.upstream_body = self._chunked(body, stream_upstream)
+        return url, body, stream_upstream
 
     def _chunked(self, body: dict[str, Any], stream_upstream: bool) -> dict[str, Any]:
         """polar_stream_interval: a streamed request asks a server that takes it for that many
@@ -257,6 +279,8 @@ class Call:
             async with session.post(url, data=data, headers=_JSON, timeout=timeout) as resp:
                 if resp.status != 200:
                     failure = await read_error(resp, s.upstream.base_url, self.record.model_served)
+                    if self.text_reply is not None and self.text_reply.generate:
+                        generate_refused(failure, resp.status)
                     if not retry and self._drop_output_cap(resp.status, failure, body):
                         continue
                     raise failure
@@ -610,6 +634,16 @@ class Call:
             self.task.cancel()
         else:
             self.finish(status, reason)
+
+
+def generate_refused(failure: UpstreamFailed, status: int) -> None:
+    """vLLM without --enable-scale-out answers /inference/v1/generate with 403 (an older vLLM:
+    404, FastAPI's "Not Found"): the harness is told the fix, not a model name (`read_error`'s
+    404 hint). vLLM's own 404 for a model it does not serve keeps its words."""
+    if status == 403 or (status == 404 and "does not exist" not in failure.message):
+        message = failure.message.split(" (polar-mitm sent model")[0]
+        failure.message = f"{message} -- {GENERATE_FIX}"
+        failure.args = (failure.message,)
 
 
 def _without_reasoning(obj: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..output_parsers import Family
 from ..output_parsers.qwen3 import message_tool_calls
+from ..tokens.detok import vllm_text
 from ..tokens.tokenizer import PolicyTokenizer
 from ..trajectory.exact_prefix import ExactPlan
 from ..upstream import TokenTally, Upstream
@@ -36,13 +37,17 @@ class TokenInReply:
         tally: TokenTally,
         model: str | None,
         wants_logprobs: bool,
+        generate: bool = False,
     ) -> None:
+        """``generate``: the reply is vLLM's `/inference/v1/generate` (ids only, whole): its text
+        is decoded here as vLLM's completions would have written it (`tokens/detok.py`)."""
         self.upstream = upstream
         self.plan = plan
         self.family = family
         self.tally = tally
         self.tokenizer = tokenizer
         self.wants_logprobs = wants_logprobs
+        self.generate = generate
         self.parser = family.stream(
             tokenizer.specials, parse_tools=plan.parse_tools, reasoning_open=plan.reasoning_open
         )
@@ -85,7 +90,7 @@ class TokenInReply:
 
     def reply(self, raw: dict[str, Any]) -> dict[str, Any]:
         """The chat completion for a whole token-in reply."""
-        piece = self.upstream.take_text(raw, self.tally)
+        piece = self._whole(raw)
         parsed = self.family.parse(
             piece.text,
             parse_tools=self.plan.parse_tools,
@@ -107,6 +112,16 @@ class TokenInReply:
         if self.tally.usage:
             reply["usage"] = self.tally.usage
         return reply
+
+    def _whole(self, raw: dict[str, Any]) -> TextPiece:
+        if not self.generate:
+            return self.upstream.take_text(raw, self.tally)
+        piece = self.upstream.take_generated(raw, self.tally)  # type: ignore[attr-defined]
+        prompt = self.tally.prompt_ids or ()
+        piece.text = vllm_text(
+            self.tokenizer, prompt, piece.ids, self.plan.sampling, piece.finish_reason
+        )
+        return piece
 
     # -- shared ------------------------------------------------------------------------------
 

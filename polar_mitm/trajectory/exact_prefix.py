@@ -190,6 +190,7 @@ class ExactPrefix:
     _special_text: dict[int, str] = field(default_factory=dict)
     texts: IdsJson = field(default_factory=IdsJson)  # chains' ids as JSON text (a cache)
     compare_calls: bool = False  # polar_exact_compare: what chat mode would have sent, per call
+    token_in: str = "completions"  # polar_token_in: vLLM's token-in route (call/exchange.py)
     _pending: set[asyncio.Task] = field(default_factory=set)
     # One thread of its own: a plan renders and tokenizes under the tokenizer's lock anyway, and
     # the default executor's threads (each with a malloc arena holding its freed request copies)

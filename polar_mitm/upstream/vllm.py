@@ -15,6 +15,15 @@ and the proxy to read on every call. The reply carries, per choice, `text`,
 (its `prompt_tokens` is checked against the ids sent). vLLM's completions default `max_tokens` is
 16 (a `null` is reset to it), so the body always carries the real cap. Fields as in vLLM's
 `entrypoints/openai/completion/{protocol,serving}.py` (`_create_completion_logprobs`, 0.32/0.33).
+
+Token-in through ``POST /inference/v1/generate`` (``polar_token_in=generate``; vLLM >= 0.32 started
+with ``--enable-scale-out``, else HTTP 403): ``{"model", "token_ids", "sampling_params": {...,
+"logprobs": 0, "detokenize": false}, "output_mode": "tokens"}``, never streamed. The server's
+incremental detokenizer does not run (its cost grows with the prompt); the reply's
+``choices[0].token_ids``, ``logprobs.content[].logprob``, ``finish_reason``, ``stop_reason`` and
+``usage`` are read here and the proxy rebuilds the text (`tokens/detok.py`). Fields as in
+``entrypoints/scale_out/token_in_token_out/{protocol,serving}.py`` (``GenerateRequest``,
+``GenerateTokensResponse``).
 """
 
 from __future__ import annotations
@@ -22,6 +31,13 @@ from __future__ import annotations
 from typing import Any
 
 from .base import TextPiece, TokenTally, Upstream, chat_body
+
+GENERATE_PATH = "/inference/v1/generate"
+# What a 403 / 404 from it means, for the harness's error (`call/exchange.py`).
+GENERATE_FIX = (
+    "polar_token_in=generate needs vLLM >= 0.32 started with --enable-scale-out "
+    "(or set polar_token_in=completions)"
+)
 
 
 class VLLM(Upstream):
@@ -78,6 +94,52 @@ class VLLM(Upstream):
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
+
+    @property
+    def generate_url(self) -> str:
+        return self.base_url + GENERATE_PATH
+
+    def generate_body(
+        self, prompt_ids: Any, sampling: dict[str, Any], *, model: str | None
+    ) -> dict[str, Any]:
+        """The `/inference/v1/generate` request: the chat names are SamplingParams' own."""
+        params = {**sampling, "logprobs": 0, "detokenize": False}
+        body: dict[str, Any] = {"token_ids": prompt_ids, "sampling_params": params}
+        if model:
+            body["model"] = model
+        body["output_mode"] = "tokens"
+        return body
+
+    def take_generated(self, obj: dict[str, Any], tally: TokenTally) -> TextPiece:
+        """The ids, logprobs and finish of a `/inference/v1/generate` reply (text left empty:
+        the caller decodes the ids)."""
+        piece = TextPiece()
+        choices = obj.pop("choices", None) or ()
+        if choices:
+            choice = choices[0]
+            ids = choice.get("token_ids")
+            if not isinstance(ids, list):
+                raise TypeError(f"token_ids is {type(ids).__name__}, not a list")
+            piece.ids = ids
+            logprobs = choice.get("logprobs")
+            content = logprobs.get("content") if isinstance(logprobs, dict) else None
+            if content is not None:
+                if len(content) != len(ids):
+                    raise ValueError(f"{len(ids)} token ids but {len(content)} logprobs")
+                piece.logprobs = [float(entry["logprob"]) for entry in content]
+                tally.logprobs.extend(piece.logprobs)
+            tally.saw_output_ids = True
+            tally.output_ids.extend(ids)
+            piece.finish_reason = choice.get("finish_reason")
+            piece.stop_reason = choice.get("stop_reason")
+            if piece.finish_reason:
+                tally.finish_reason = piece.finish_reason
+        usage = obj.get("usage")
+        if usage:
+            tally.usage = usage
+        if tally.model is None:
+            tally.model = obj.get("model")
+        return piece
 
     def take_text(self, obj: dict[str, Any], tally: TokenTally) -> TextPiece:
         piece = TextPiece()

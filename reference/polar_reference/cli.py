@@ -122,6 +122,13 @@ async def _serve(config, host: str, port: int, real=None) -> None:
     "SGLang before them (it cannot stream with ids; the proxy then calls it non-streaming).",
 )
 @click.option(
+    "--enable-scale-out",
+    "scale_out",
+    is_flag=True,
+    help="vllm kind: serve vLLM 0.32's token-in/token-out POST /inference/v1/generate (without "
+    "it the route answers 403, as vLLM does without --enable-scale-out).",
+)
+@click.option(
     "--ignore-token-flags",
     is_flag=True,
     help="Ignore the token-id request flags (return_token_ids, return_prompt_token_ids, "
@@ -180,6 +187,7 @@ def policy_server(
     max_model_len: int | None,
     vllm_limits: str,
     no_sglext: bool,
+    scale_out: bool,
     ignore_token_flags: bool,
     real: bool,
     gguf_path: Path | None,
@@ -231,6 +239,7 @@ def policy_server(
         ignore_token_flags=ignore_token_flags,
         vllm_limits=vllm_limits,
         sglext=not no_sglext,
+        scale_out=scale_out,
     )
     try:
         asyncio.run(_serve(config, host, port, real_model))

@@ -86,6 +86,7 @@ class ServerConfig:
     ignore_token_flags: bool = False  # act like a server without token ids (old vLLM/SGLang, plain)
     vllm_limits: str = VLLM_LIMITS[0]  # how the vllm kind applies the context (versions.py)
     sglext: bool = True  # sglang kind: honour return_{input,output}_ids_in_sglext (0.5.23)
+    scale_out: bool = False  # vllm kind: /inference/v1/generate answers (else 403, as vLLM)
 
 
 class Control:
@@ -260,6 +261,10 @@ class PolicyServer:
             from .completions import add_routes as token_in
 
             token_in(app, self)
+            if self.wire.kind == "vllm":
+                from .vllm_generate import add_routes as generate
+
+                generate(app, self, self.config.scale_out)
         for add_routes in extra_routes:
             add_routes(app, self)
         return app

@@ -48,6 +48,9 @@ SERVER_FLAGS = (
     "--logits-processors",
     "vllm_script:ScriptedReplies",
     "--disable-uvicorn-access-log",
+    # vLLM 0.32's token-in/token-out POST /inference/v1/generate (polar_token_in=generate); without
+    # it that route answers 403
+    "--enable-scale-out",
 )
 
 

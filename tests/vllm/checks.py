@@ -90,7 +90,7 @@ def check_exact(rows: list[dict], recorder: Recorder) -> None:
     answered = [
         e
         for e in recorder.exchanges
-        if e.method == "POST" and e.status == 200 and e.path.startswith("/v1/")
+        if e.method == "POST" and e.status == 200 and e.path.startswith(("/v1/", "/inference/v1/"))
     ]
     done = [r for r in rows if r["status"] == "completed" and r["route"] != "local"]
     assert len(done) == len(answered), ([r["route"] for r in rows], [e.path for e in answered])

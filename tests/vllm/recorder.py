@@ -55,7 +55,8 @@ class Exchange:
         is the ids sent, checked against the engine's `usage.prompt_tokens`, and its sampled
         ids are the logprobs' ``token_id:N`` names."""
         chunks = self.events if self.stream else [self.reply]
-        sent = self.body.get("prompt") if isinstance(self.body, dict) else None
+        body = self.body if isinstance(self.body, dict) else {}
+        sent = body.get("prompt", body.get("token_ids"))  # /v1/completions, /inference/v1/generate
         prompt: list[int] = []
         out: list[int] = []
         lps: list[float] = []

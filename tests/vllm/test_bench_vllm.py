@@ -36,9 +36,10 @@ def test_bench_vllm_smoke(vllm_setup, tmp_path):
 
 @pytest.mark.slow
 def test_bench_farm_smoke(vllm_setup, tmp_path):
-    """The farm column: six columns (polar-mitm's chat and exact-prefix modes relayed and
-    buffered), vLLM's API-server CPU (that one process) and the proxies' per call, each column on
-    its own conversations; buffered calls' ids are vLLM's, as relayed ones'."""
+    """The farm column: its columns (polar-mitm's chat and exact-prefix modes relayed and
+    buffered, and exact-prefix through /inference/v1/generate), vLLM's API-server CPU (that one
+    process) and the proxies' per call, each column on its own conversations; buffered calls' ids
+    are vLLM's, as relayed ones'."""
     out = tmp_path / "farm.json"
     proc = subprocess.run(
         [sys.executable, "-m", "polar_bench", "farm", "--smoke", "--json", str(out)],
@@ -52,7 +53,7 @@ def test_bench_farm_smoke(vllm_setup, tmp_path):
     assert "vllm.entrypoints.openai.api_server" in results["config"]["api_server"]
     cols = results["columns"]
     polar = ("polar-mitm chat", "polar-mitm exact")
-    polar += tuple(f"{c} buffered" for c in polar)
+    polar += (*(f"{c} buffered" for c in polar), "polar-mitm exact generate")
     for column in ("direct", "mitm-stream", *polar):
         assert cols[column]["calls"] == 3 and cols[column]["errors"] == 0, cols[column]
         assert cols[column]["api_cpu_ms_per_call"] > 0 and cols[column]["events_per_call"] > 1

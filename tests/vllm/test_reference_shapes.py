@@ -135,7 +135,9 @@ def reference(tmp_path_factory):
     from tests.helpers.procs import start_policy_server
 
     server = start_policy_server(
-        tmp_path_factory.mktemp("reference"), SCENARIOS[0], ["--max-model-len", "40960"]
+        tmp_path_factory.mktemp("reference"),
+        SCENARIOS[0],
+        ["--max-model-len", "40960", "--enable-scale-out"],
     )
     yield server
     server.stop()
@@ -212,6 +214,18 @@ def test_token_in_shapes(vllm, reference, stream):
         ask(vllm.url, "/v1/completions", too_long),
         "completions, prompt above the context",
     )
+
+
+def test_generate_shapes(vllm, reference):
+    """vLLM 0.32's /inference/v1/generate (the tier's server runs with --enable-scale-out), as
+    polar_token_in=generate asks it: ids and logprobs, no text; and a stop string refused."""
+    prompt = ask(vllm.url, CHAT, CASES["tool call"][1])["ids"][0]
+    params = {"max_tokens": 100, "logprobs": 0, "detokenize": False}
+    body = {"token_ids": prompt, "sampling_params": params, "output_mode": "tokens"}
+    path = "/inference/v1/generate"
+    same(ask(reference.url, path, body), ask(vllm.url, path, body), "generate")
+    stop = {**body, "sampling_params": {**params, "stop": ["x"]}}
+    same(ask(reference.url, path, stop), ask(vllm.url, path, stop), "generate, stop strings")
 
 
 def test_merged_chunks_allowed_and_nothing_else(reference, tmp_path):
