@@ -309,8 +309,16 @@ def test_bad_input_and_unreachable_upstream(make_policy_server, make_mitm):
             {"polar_upstream": "http://127.0.0.1:9", "polar_tokenizer": "/nonexistent/tok"},
             "polar_tokenizer:",
         ),
+        (
+            {"polar_upstream": "http://127.0.0.1:9", "polar_upstream_stream": "chunked"},
+            "polar_upstream_stream: 'chunked' is not 'relay' or 'buffer'",
+        ),
+        (
+            {"polar_upstream": "http://127.0.0.1:9", "polar_stream_interval": "0"},
+            "polar_stream_interval: 0 is not a whole number of tokens >= 1",
+        ),
     ],
-    ids=["missing", "invalid", "kind", "tokenizer"],
+    ids=["missing", "invalid", "kind", "tokenizer", "stream", "interval"],
 )
 def test_startup_option_errors(tmp_path, confdir, options, needle):
     args = [
