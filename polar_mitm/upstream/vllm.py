@@ -130,16 +130,7 @@ class VLLM(Upstream):
                 tally.logprobs.extend(piece.logprobs)
             tally.saw_output_ids = True
             tally.output_ids.extend(ids)
-            piece.finish_reason = choice.get("finish_reason")
-            piece.stop_reason = choice.get("stop_reason")
-            if piece.finish_reason:
-                tally.finish_reason = piece.finish_reason
-        usage = obj.get("usage")
-        if usage:
-            tally.usage = usage
-        if tally.model is None:
-            tally.model = obj.get("model")
-        return piece
+        return _close(piece, choices[0] if choices else None, obj, tally)
 
     def take_text(self, obj: dict[str, Any], tally: TokenTally) -> TextPiece:
         piece = TextPiece()
@@ -161,16 +152,25 @@ class VLLM(Upstream):
             if text is not None and not isinstance(text, str):
                 raise TypeError(f"text is {type(text).__name__}, not a string")
             piece.text = text or ""
-            piece.finish_reason = choice.get("finish_reason")
-            piece.stop_reason = choice.get("stop_reason")
-            if piece.finish_reason:
-                tally.finish_reason = piece.finish_reason
-        usage = obj.get("usage")
-        if usage:
-            tally.usage = usage
-        if tally.model is None:
-            tally.model = obj.get("model")
-        return piece
+        return _close(piece, choices[0] if choices else None, obj, tally)
+
+
+def _close(
+    piece: TextPiece, choice: dict[str, Any] | None, obj: dict[str, Any], tally: TokenTally
+) -> TextPiece:
+    """What either token-in reply ends with: the choice's finish and stop reasons, then the
+    object's usage and model."""
+    if choice is not None:
+        piece.finish_reason = choice.get("finish_reason")
+        piece.stop_reason = choice.get("stop_reason")
+        if piece.finish_reason:
+            tally.finish_reason = piece.finish_reason
+    usage = obj.get("usage")
+    if usage:
+        tally.usage = usage
+    if tally.model is None:
+        tally.model = obj.get("model")
+    return piece
 
 
 _TOKEN_ID = "token_id:"

@@ -348,6 +348,25 @@ def test_the_other_dialects_see_the_same_replies(make_policy_server, make_mitm, 
     assert sum(trace["loss_mask"]) == sum(len(c["output_token_ids"]) for c in calls)
 
 
+def first_tool_turn(client: openai.OpenAI, stream: bool) -> list[dict]:
+    """A chain's first call (chat) and its tool result: the messages a token-in call extends."""
+    messages: list[dict] = [
+        {"role": "system", "content": "You are a coding agent. Use run_shell."},
+        {"role": "user", "content": "What is the last line of notes.txt?"},
+    ]
+    [call] = ask(client, messages, stream=stream)["tool_calls"]
+    function = {"name": call["name"], "arguments": call["arguments"]}
+    return [
+        *messages,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call["id"], "type": "function", "function": function}],
+        },
+        {"role": "tool", "tool_call_id": call["id"], "content": "notes.txt"},
+    ]
+
+
 def test_a_token_in_call_whose_server_is_gone_is_an_error_in_the_dialect(
     make_policy_server, make_mitm
 ):
@@ -355,27 +374,8 @@ def test_a_token_in_call_whose_server_is_gone_is_an_error_in_the_dialect(
     mitm = make_mitm(
         server.url, polar_tokenizer=str(qwen3_tokenizer_dir()), polar_exact_prefix="true"
     )
-    messages: list[dict] = [
-        {"role": "system", "content": "You are a coding agent. Use run_shell."},
-        {"role": "user", "content": "What is the last line of notes.txt?"},
-    ]
     with openai_client(mitm, api_key="polar-gone.0") as client:
-        reply = ask(client, messages, stream=False)
-        [call] = reply["tool_calls"]
-        messages += [
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": call["id"],
-                        "type": "function",
-                        "function": {"name": call["name"], "arguments": call["arguments"]},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": call["id"], "content": "notes.txt"},
-        ]
+        messages = first_tool_turn(client, stream=False)
         server.stop()
         with pytest.raises(openai.APIStatusError) as failed:
             ask(client, messages, stream=True)
@@ -390,10 +390,34 @@ def test_a_token_in_call_whose_server_is_gone_is_an_error_in_the_dialect(
     assert "unreachable" in calls[1]["error"] and calls[1]["http_status"] == 502
 
 
+GENERATE = "/inference/v1/generate"
 UPSTREAM_MODES = {
     "buffer": {"polar_upstream_stream": "buffer"},
     "interval": {"polar_stream_interval": "8"},
+    "generate": {"polar_token_in": "generate"},
 }
+
+
+def assert_sent_as(mode: str, sent: list[dict]) -> None:
+    """What each mode asks of the server: whole replies; 8 tokens a chunk; token-in calls to
+    /inference/v1/generate, ids only."""
+    llm = [u for u in sent if u["method"] == "POST" and "_polar" not in u["path"]]
+    bodies = [u["body"] for u in llm]
+    if mode == "buffer":
+        assert [bool(b.get("stream")) for b in bodies] == [False] * len(bodies)
+        assert not any("stream_interval" in b for b in bodies)
+    elif mode == "interval":
+        assert [(b.get("stream"), b.get("stream_interval")) for b in bodies] == [(True, 8)] * len(
+            bodies
+        )
+    else:
+        paths = [u["path"] for u in llm]
+        assert paths[0] == "/v1/chat/completions" and set(paths[1:]) == {GENERATE}
+        for body in bodies[1:]:
+            assert body["output_mode"] == "tokens" and "stream" not in body
+            params = body["sampling_params"]
+            assert params["detokenize"] is False and params["logprobs"] == 0
+            assert params["max_tokens"] > 0
 
 
 @pytest.mark.parametrize("mode", sorted(UPSTREAM_MODES))
@@ -402,14 +426,17 @@ def test_cheaper_upstream_modes_stream_the_same_to_the_harness(
     make_policy_server, make_mitm, dialect, mode
 ):
     """polar_upstream_stream=buffer (the server is asked for whole replies, chat and token-in
-    alike) and polar_stream_interval (vLLM's stream_interval: 8 tokens a chunk): the harness still
-    gets its own dialect's stream, the same one relaying every token gives, and the records hold
-    the same ids and logprobs."""
+    alike), polar_stream_interval (vLLM's stream_interval: 8 tokens a chunk) and
+    polar_token_in=generate (token-in through vLLM 0.32's /inference/v1/generate, ids only, the
+    text decoded by the proxy): the harness still gets its own dialect's stream, the same one
+    relaying every token from /v1/completions gives, and the records hold the same ids and
+    logprobs."""
     import httpx
 
     from tests.e2e.loopback.test_dialects_e2e import SCENARIO as DIALECTS
 
-    server = make_policy_server(SCENARIO if dialect == "openai_chat" else DIALECTS)
+    scenario = SCENARIO if dialect == "openai_chat" else DIALECTS
+    server = make_policy_server(scenario, "--enable-scale-out")
     tok = str(qwen3_tokenizer_dir())
     relayed = make_mitm(server.url, polar_tokenizer=tok, polar_exact_prefix="true")
     cheaper = make_mitm(
@@ -430,15 +457,9 @@ def test_cheaper_upstream_modes_stream_the_same_to_the_harness(
     cheaper_seen = talk(cheaper, "up.1")
     assert relayed.stop() == 0 and cheaper.stop() == 0
     assert cheaper_seen == relayed_seen and len(cheaper_seen) >= 3
-
-    upstream = httpx.get(server.url + "/_polar/requests", timeout=10).json()[sent_before:]
-    llm = [u["body"] for u in upstream if u["path"] in ("/v1/chat/completions", "/v1/completions")]
-    assert len(llm) == len(cheaper_seen)
-    if mode == "buffer":
-        assert [bool(b.get("stream")) for b in llm] == [False] * len(llm)
-        assert not any("stream_interval" in b for b in llm)
-    else:
-        assert [(b.get("stream"), b.get("stream_interval")) for b in llm] == [(True, 8)] * len(llm)
+    assert_sent_as(
+        mode, httpx.get(server.url + "/_polar/requests", timeout=10).json()[sent_before:]
+    )
 
     relay_calls, _ = records(relayed.output, "up.0")
     calls, [trace] = records(cheaper.output, "up.1")
@@ -450,5 +471,6 @@ def test_cheaper_upstream_modes_stream_the_same_to_the_harness(
         assert call["prompt_token_ids"] == relay["prompt_token_ids"]
         assert call["output_token_ids"] == relay["output_token_ids"]
         assert call["output_logprobs"] == pytest.approx(relay["output_logprobs"])
+        assert call["response_json"] is not None
     last = calls[-1]
     assert trace["input_ids"] == last["prompt_token_ids"] + last["output_token_ids"]
