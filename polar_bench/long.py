@@ -159,11 +159,11 @@ def column_options(column: str) -> dict[str, str]:
     """A polar-mitm column's --sets: exact-prefix mode renders new messages with the Qwen3
     tokenizer and chat template the reference server uses; `+buffer` asks the server for whole
     replies (polar_upstream_stream=buffer)."""
+    buffer = {"polar_upstream_stream": "buffer"} if column.endswith("+buffer") else {}
     if not column.startswith("polar-mitm+exact"):
-        return LONG_OPTIONS
+        return {**LONG_OPTIONS, **buffer}
     from polar_mitm.assets import qwen3_tokenizer_dir
 
-    buffer = {"polar_upstream_stream": "buffer"} if column.endswith("+buffer") else {}
     return {
         **LONG_OPTIONS,
         "polar_exact_prefix": "true",

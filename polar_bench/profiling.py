@@ -7,7 +7,7 @@ throughput load (32 concurrent streaming chat calls, upstream as fast as it goes
     python -m polar_bench profile --long [--sessions 4] [--turns 12] [--exact]
                                       # under python -m polar_bench long's load instead (--exact:
                                       # its polar-mitm+exact column, exact-prefix mode;
-                                      # --exact --buffer: polar-mitm+exact+buffer)
+                                      # --buffer: the column buffered)
     ... [--gil]                       # only the thread holding the GIL: Python's own CPU (a
                                       # thread blocked in C, e.g. a queue wait, is not sampled)
 
@@ -132,7 +132,9 @@ def profile_long(args: argparse.Namespace, spy: str) -> int:
             server.stop()
         total, part = shares(raw)
         leaves = top_leaves(raw)
-    mode = "exact-prefix mode" if args.exact else "chat mode"
+    mode = ("exact-prefix mode" if args.exact else "chat mode") + (
+        ", buffered" if args.buffer else ""
+    )
     print(f"{mode}, {args.sessions} sessions x {args.turns} turns; {total} main-thread samples")
     for label, fn in PARTS.items():
         print(f"{100 * part[fn]:5.1f} %  {label}")
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=12, help="--long: turns per session")
     ap.add_argument("--exact", action="store_true", help="--long: exact-prefix mode's column")
     ap.add_argument(
-        "--buffer", action="store_true", help="--long --exact: its buffered column instead"
+        "--buffer",
+        action="store_true",
+        help="--long: the column buffered (polar_upstream_stream=buffer)",
     )
     ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     args = ap.parse_args(argv)
