@@ -113,3 +113,27 @@ def test_an_upstream_body_with_prompt_ids_and_escapes_is_checked_for_lone_surrog
 )
 def test_lone_surrogates_walks_strings_and_keys(text, lone):
     assert fastjson.lone_surrogates(text, json.loads(text)) is lone
+
+
+@pytest.mark.parametrize(
+    ("text", "lone"),
+    [
+        ('{"a": "\\ud83d\\ude00"}', False),
+        ('{"a": "\\\\ud800"}', False),
+        ('{"a": ["x", {"b": "\\ud800"}]}', True),
+        ('{"\\udc00": 1}', True),
+        ('{"a": "\\uDFFF x"}', True),
+        ('{"a": "\\ud800\\u0041"}', True),  # a high surrogate before a non-surrogate
+        ('{"a": "\\ud800\\ud800"}', True),  # two high ones
+        ('{"a": "plain"}', False),
+    ],
+)
+@pytest.mark.parametrize("ids_key", [None, "prompt_token_ids"])
+def test_decode_says_when_a_value_may_hold_a_lone_surrogate(text, lone, ids_key):
+    """`decode`'s flag is what spares the walk: a value it says is clean never holds a lone
+    surrogate (msgspec refuses them; the stdlib's decode is flagged), long ids path included."""
+    if ids_key:  # long enough for loads_ids' own path, the ids at the top level
+        text = text[:-1] + ', "prompt_token_ids": [' + ",".join(["7"] * 3000) + "]}"
+    value, maybe_lone = fastjson.decode(text, ids_key)
+    assert fastjson.lone_surrogates(text, value) is lone
+    assert maybe_lone is lone  # msgspec decoded every clean one: no walk for them

@@ -37,10 +37,23 @@ _COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 def loads(data: str | bytes) -> Any:
     """`json.loads(data)`, by msgspec when it accepts the text."""
+    return _loads(data)[0]
+
+
+def decode(data: str | bytes, ids_key: str | None = None) -> tuple[Any, bool]:
+    """The value of JSON `data` (`loads`, or `loads_ids` with `ids_key`), and whether it may hold
+    a lone surrogate escape. msgspec refuses every one (a high surrogate not followed by a low,
+    a low one alone), so a value it decoded cannot: only a value the stdlib's `json` decoded
+    needs `lone_surrogates`' walk (3 % of the event loop under the long load when every request
+    was walked, py-spy --gil: an ASCII-only encoder writes each emoji as a surrogate pair)."""
+    return _loads_ids(data, ids_key) if ids_key else _loads(data)
+
+
+def _loads(data: str | bytes) -> tuple[Any, bool]:
     try:
-        return _DECODER.decode(data)
+        return _DECODER.decode(data), False
     except (msgspec.MsgspecError, RecursionError):
-        return json.loads(data)
+        return json.loads(data), True
 
 
 def loads_ids(data: str | bytes, key: str = "prompt_token_ids") -> Any:
@@ -52,21 +65,25 @@ def loads_ids(data: str | bytes, key: str = "prompt_token_ids") -> Any:
     what reading the digits straight into int32 costs (msgspec skims the value as raw text,
     numpy parses it: 1.7 against 3.2 ms at 60k ids). Anything else — the key nested, a value
     that is not a list of such integers, a document `loads` would refuse — is `loads`'s."""
+    return _loads_ids(data, key)[0]
+
+
+def _loads_ids(data: str | bytes, key: str) -> tuple[Any, bool]:
     if len(data) < IDS_MIN_CHARS:
-        return loads(data)
+        return _loads(data)
     marker = f'"{key}":' if isinstance(data, str) else f'"{key}":'.encode()
     if marker not in data:  # type: ignore[operator]
-        return loads(data)
+        return _loads(data)
     try:
         top = _TOP_RAW.decode(data)
         raw = top.get(key)
         ids = _int32_list(bytes(raw)) if raw is not None else None
         if ids is None:
-            return loads(data)
+            return _loads(data)
         out: dict[str, Any] = {k: (ids if k == key else _DECODER.decode(v)) for k, v in top.items()}
     except (msgspec.MsgspecError, RecursionError, ValueError):
-        return loads(data)
-    return out
+        return _loads(data)
+    return out, False  # msgspec read every key and value; the ids are digits
 
 
 def lone_surrogates(text: str, value: Any) -> bool:
