@@ -129,11 +129,14 @@ def test_lone_surrogates_walks_strings_and_keys(text, lone):
     ],
 )
 @pytest.mark.parametrize("ids_key", [None, "prompt_token_ids"])
-def test_decode_says_when_a_value_may_hold_a_lone_surrogate(text, lone, ids_key):
-    """`decode`'s flag is what spares the walk: a value it says is clean never holds a lone
-    surrogate (msgspec refuses them; the stdlib's decode is flagged), long ids path included."""
+def test_decode_says_whether_a_value_holds_a_lone_surrogate(text, lone, ids_key, monkeypatch):
+    """`decode` answers as the walk does, and walks only what the stdlib decoded: msgspec
+    refuses every lone surrogate, so a value it decoded is clean (long ids path included)."""
     if ids_key:  # long enough for loads_ids' own path, the ids at the top level
         text = text[:-1] + ', "prompt_token_ids": [' + ",".join(["7"] * 3000) + "]}"
-    value, maybe_lone = fastjson.decode(text, ids_key)
-    assert fastjson.lone_surrogates(text, value) is lone
-    assert maybe_lone is lone  # msgspec decoded every clean one: no walk for them
+    walked = []
+    walk = fastjson.lone_surrogates
+    monkeypatch.setattr(fastjson, "lone_surrogates", lambda t, v: walked.append(t) or walk(t, v))
+    value, found = fastjson.decode(text, ids_key)
+    assert found is lone is walk(text, json.loads(text))
+    assert bool(walked) is lone  # only the stdlib's values (all the lone ones here) are walked

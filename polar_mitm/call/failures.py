@@ -132,8 +132,8 @@ def cap_refused(message: str) -> bool:
 def json_value(data: str, what: str) -> Any:
     """Parse upstream JSON text; lone surrogate escapes (text no store can encode) are refused.
     A top-level ``prompt_token_ids`` (vLLM's) comes back as the int32 array the record keeps."""
-    value, maybe_lone = fastjson.decode(data, "prompt_token_ids")
-    if maybe_lone and fastjson.lone_surrogates(data, value):
+    value, lone_surrogate = fastjson.decode(data, "prompt_token_ids")
+    if lone_surrogate:
         raise ValueError(f"the {what} holds a lone surrogate escape: not valid Unicode")
     return value
 

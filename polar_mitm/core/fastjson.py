@@ -40,13 +40,17 @@ def loads(data: str | bytes) -> Any:
     return _loads(data)[0]
 
 
-def decode(data: str | bytes, ids_key: str | None = None) -> tuple[Any, bool]:
-    """The value of JSON `data` (`loads`, or `loads_ids` with `ids_key`), and whether it may hold
-    a lone surrogate escape. msgspec refuses every one (a high surrogate not followed by a low,
-    a low one alone), so a value it decoded cannot: only a value the stdlib's `json` decoded
-    needs `lone_surrogates`' walk (3 % of the event loop under the long load when every request
-    was walked, py-spy --gil: an ASCII-only encoder writes each emoji as a surrogate pair)."""
-    return _loads_ids(data, ids_key) if ids_key else _loads(data)
+def decode(data: str, ids_key: str | None = None) -> tuple[Any, bool]:
+    """The value of JSON text `data` (`loads`, or `loads_ids` with `ids_key`), and whether it
+    holds a lone surrogate escape (`lone_surrogates`), which no store or tokenizer takes.
+
+    msgspec refuses every one, decoding or skipping a value (a high surrogate not followed by a
+    low one, a low one alone: `json_handle_unicode_escape` and the skip path in its `_core.c`,
+    read at 0.18.0, the pin's floor, and tried at 0.23.0), so only a value the stdlib's `json`
+    decoded is walked. Walking every request was 3 % of the event loop under the long load
+    (py-spy --gil), where an ASCII-only encoder writes each emoji as an escaped pair."""
+    value, by_stdlib = _loads_ids(data, ids_key) if ids_key else _loads(data)
+    return value, by_stdlib and lone_surrogates(data, value)
 
 
 def _loads(data: str | bytes) -> tuple[Any, bool]:

@@ -120,14 +120,14 @@ def load_json_object(body: bytes) -> dict[str, Any]:
         # Strict UTF-8 (RFC 8259), not json's own decoding: that one lets surrogates encoded as
         # bytes through ("surrogatepass"), and no store or tokenizer takes them.
         text = body.decode("utf-8")
-        data, maybe_lone = fastjson.decode(text)
+        data, lone_surrogate = fastjson.decode(text)
     except RecursionError:
         raise DialectError("request body is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of 5000 digits
         raise DialectError(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise DialectError(f"request body must be a JSON object, not {type(data).__name__}")
-    if maybe_lone and fastjson.lone_surrogates(text, data):
+    if lone_surrogate:
         raise DialectError(
             "request body holds a lone surrogate escape (e.g. \\ud800): not valid Unicode text"
         )
