@@ -171,6 +171,27 @@ def test_shard_files_metadata_hive_partitions_and_names(out: Path) -> None:
     assert ds.dataset(out / "traces", format="parquet", partitioning="hive").count_rows() == 1
 
 
+def test_token_ids_are_dictionary_encoded_and_json_is_not(out: Path) -> None:
+    """Ids as dictionary indices pack tighter under zstd (docs/store.md, "Row groups and shard size"); a
+    JSON body is new every row, so a dictionary would only cost time."""
+    with Store(out) as store:
+        store.append("calls", call_row(1))
+        store.append("traces", trace_row(1))
+
+    def encodings(dataset: str) -> dict[str, tuple[str, ...]]:
+        group = pq.ParquetFile(list_shards(out, dataset)[0]).metadata.row_group(0)
+        columns = (group.column(c) for c in range(group.num_columns))
+        return {c.path_in_schema.split(".")[0]: (c.encodings, c.compression) for c in columns}
+
+    calls, traces = encodings("calls"), encodings("traces")
+    for enc, compression in (calls["prompt_token_ids"], traces["input_ids"], traces["loss_mask"]):
+        assert "RLE_DICTIONARY" in enc and compression == "ZSTD"
+    assert "RLE_DICTIONARY" not in calls["request_json"][0]
+    assert "RLE_DICTIONARY" not in traces["logprobs"][0]
+    back = read_table(out, "traces").to_pylist()[0]
+    assert back["input_ids"] == [1, 2, 3, 4] and back["loss_mask"] == [0, 0, 1, 1]
+
+
 def test_partition_falls_back_to_finished_at_then_now(out: Path) -> None:
     with Store(out) as store:
         store.append("calls", call_row(1, started_at=None, finished_at=T0 + DAY))
