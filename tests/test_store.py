@@ -172,8 +172,8 @@ def test_shard_files_metadata_hive_partitions_and_names(out: Path) -> None:
 
 
 def test_token_ids_are_dictionary_encoded_and_json_is_not(out: Path) -> None:
-    """Ids as dictionary indices pack tighter under zstd (docs/store.md, "Row groups and shard size"); a
-    JSON body is new every row, so a dictionary would only cost time."""
+    """Ids as dictionary indices pack tighter under zstd (docs/store.md, "Row groups and shard
+    size"); a JSON body is new every row, so a dictionary would only cost time."""
     with Store(out) as store:
         store.append("calls", call_row(1))
         store.append("traces", trace_row(1))
