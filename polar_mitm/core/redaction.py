@@ -119,12 +119,18 @@ def redacted_json(obj: Any, secrets: Iterable[str] = (), text: str | None = None
 
 
 # Characters no JSON encoder escapes (`/` is one some do): a secret made of them appears in the
-# text of any encoding of a string holding it, unless the encoder escapes at will (``\u``).
+# text of any encoding of a string holding it, unless the encoder escapes one of them at will
+# (``\u0073``: an escape of printable ASCII, U+0020-U+007F). Escapes of other characters (an
+# emoji's pair from an ASCII-only encoder such as Python's `json`, ``\u001b``) cannot spell a
+# character of such a secret, so a text holding only those is kept as sent.
 _UNESCAPED = re.compile(r"[A-Za-z0-9 ._~+=:-]*")
+_ASCII_ESCAPE = re.compile(r"\\u00[2-7][0-9a-fA-F]")
 
 
 def _verbatim_safe(text: str, secrets: list[str]) -> bool:
-    return "\\u" not in text and all(_UNESCAPED.fullmatch(s) for s in secrets)
+    if "\\u00" in text and _ASCII_ESCAPE.search(text):
+        return False
+    return all(_UNESCAPED.fullmatch(s) for s in secrets)
 
 
 def scrub(text: str, secrets: Iterable[str]) -> str:
