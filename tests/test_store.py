@@ -187,6 +187,7 @@ def test_token_ids_are_dictionary_encoded_and_json_is_not(out: Path) -> None:
     for enc, compression in (calls["prompt_token_ids"], traces["input_ids"], traces["loss_mask"]):
         assert "RLE_DICTIONARY" in enc and compression == "ZSTD"
     assert "RLE_DICTIONARY" not in calls["request_json"][0]
+    assert "RLE_DICTIONARY" in calls["rollout_id"][0]
     assert "RLE_DICTIONARY" not in traces["logprobs"][0]
     back = read_table(out, "traces").to_pylist()[0]
     assert back["input_ids"] == [1, 2, 3, 4] and back["loss_mask"] == [0, 0, 1, 1]

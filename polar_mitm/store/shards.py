@@ -246,10 +246,14 @@ def _dictionary_columns(schema: pa.Schema) -> list[str]:
     # Dictionary pages pay off on repeated strings (rollout ids, models, status) and on integer
     # lists (token ids, offsets, masks): a vocabulary's ids become bit-packed indices, which zstd
     # packs tighter than plain int32 (a 151k vocabulary's dictionary is 0.6 MB, under the 1 MiB
-    # page limit where pyarrow falls back to plain). Not on JSON and free text, where every value
-    # is new and the dictionary costs time and a fallback anyway.
+    # page limit where pyarrow falls back to plain). Not on JSON and a request's new text, where
+    # every value is new and the dictionary costs time and a fallback anyway.
     strings = [
-        f.name for f in schema if pa.types.is_string(f.type) and not f.name.endswith("_json")
+        f.name
+        for f in schema
+        if pa.types.is_string(f.type)
+        and not f.name.endswith("_json")
+        and f.name != "request_middle"
     ]
     return strings + [
         f"{f.name}.list.element"
