@@ -174,11 +174,14 @@ def test_shard_files_metadata_hive_partitions_and_names(out: Path) -> None:
 def test_token_ids_are_dictionary_encoded_and_json_is_not(out: Path) -> None:
     """Ids as dictionary indices pack tighter under zstd (docs/store.md, "Row groups and shard
     size"); a JSON body is new every row, so a dictionary would only cost time."""
+    history = '{"messages": [' + ", ".join(f'"turn {k} of the task"' for k in range(40))
     with Store(out) as store:
-        store.append("calls", call_row(1))
+        store.append("calls", call_row(1, request_json=history + "]}"))
+        # the same rollout's next call: stored as what it adds (request_middle)
+        store.append("calls", call_row(4, request_json=history + ', "a new turn"]}'))
         store.append("traces", trace_row(1))
 
-    def encodings(dataset: str) -> dict[str, tuple[str, ...]]:
+    def encodings(dataset: str) -> dict[str, tuple[tuple[str, ...], str]]:
         group = pq.ParquetFile(list_shards(out, dataset)[0]).metadata.row_group(0)
         columns = (group.column(c) for c in range(group.num_columns))
         return {c.path_in_schema.split(".")[0]: (c.encodings, c.compression) for c in columns}
@@ -187,6 +190,9 @@ def test_token_ids_are_dictionary_encoded_and_json_is_not(out: Path) -> None:
     for enc, compression in (calls["prompt_token_ids"], traces["input_ids"], traces["loss_mask"]):
         assert "RLE_DICTIONARY" in enc and compression == "ZSTD"
     assert "RLE_DICTIONARY" not in calls["request_json"][0]
+    shard = list_shards(out, "calls")[0]
+    middles = pq.read_table(shard, columns=["request_middle"]).column(0).to_pylist()
+    assert middles.count(None) == 1 and "RLE_DICTIONARY" not in calls["request_middle"][0]
     assert "RLE_DICTIONARY" in calls["rollout_id"][0]
     assert "RLE_DICTIONARY" not in traces["logprobs"][0]
     back = read_table(out, "traces").to_pylist()[0]
